@@ -1,0 +1,77 @@
+"""One call from packed-sequence segments to a validated exchange plan for one sequence pool (§4.3-§4.4).
+
+    build_tiles (Eq. 5-7) -> place_tiles (Algorithm 2, Eq. 8) -> build_exchange_plan -> validate_plan
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..config import LibraConfig, flag_name
+from .exchange import ExchangePlan, build_exchange_plan
+from .layout import HeadLayout, TokenLayout
+from .tiles import TileSet, build_tiles
+
+__all__ = ["PoolPlan", "plan_pool"]
+
+
+@dataclass(frozen=True, eq=False)
+class PoolPlan:
+    """Everything planned for one pool instance.
+
+    tiles      the pool's SH-Tiles and KV groups
+    placement  ``placement.TilePlacementResult`` (assignment, loads, capacity, Eq. 8 comm_bytes)
+    exchange   the ExchangePlan realising ``placement.assignment`` (per-rank plans built on access)
+    seconds    wall time of tiles + placement + exchange (+ validation when requested)
+    """
+
+    tiles: TileSet
+    placement: object
+    exchange: ExchangePlan
+    seconds: float
+
+    @property
+    def fingerprint(self) -> str:
+        return self.exchange.fingerprint
+
+
+def _check_consistent(seq_segments, config: LibraConfig, layout: TokenLayout, heads: HeadLayout) -> None:
+    """The config, layouts and segments must describe the same pool; ValueError names the flag."""
+    pairs = [
+        ("pool_size", config.pool_size, len(seq_segments), "packed sequences given"),
+        ("head_split", config.head_split, heads.head_split, "HeadLayout.head_split"),
+        ("num_chunks", config.num_chunks, heads.num_chunks, "HeadLayout.num_chunks"),
+        ("token_layout", config.token_layout, layout.kind, "TokenLayout.kind"),
+    ]
+    for key, want, got, what in pairs:
+        if want != got:
+            raise ValueError(f"{flag_name(key)}={getattr(want, 'value', want)} but {what} is "
+                             f"{getattr(got, 'value', got)}")
+
+
+def plan_pool(
+    seq_segments: Sequence[Sequence[int]],
+    config: LibraConfig,
+    layout: TokenLayout,
+    heads: HeadLayout,
+    *,
+    validate: bool = True,
+) -> PoolPlan:
+    """Plan one pool: ``seq_segments[p]`` are the raw-sample lengths of its p-th packed sequence.
+
+    Deterministic: the same inputs give the same fingerprint on every rank. ``validate`` runs
+    ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
+    """
+    from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
+
+    start = time.perf_counter()
+    _check_consistent(seq_segments, config, layout, heads)
+    tiles = build_tiles(seq_segments, layout, heads, config.block_size)
+    placement = place_tiles(tiles, config.tau, config.tile_placement)
+    exchange = build_exchange_plan(tiles, placement.assignment)
+    if validate:
+        from .validate import validate_plan
+
+        validate_plan(exchange, tiles)
+    return PoolPlan(tiles=tiles, placement=placement, exchange=exchange, seconds=time.perf_counter() - start)

@@ -1,0 +1,250 @@
+"""Plan invariants (§4.3.3, §4.4): ``validate_plan`` raises PlanError naming the rank (and tile).
+
+What is checked, independently of how ``build_exchange_plan`` computed the plan:
+  shape      every RankPlan belongs to this pool (rank id, worker count, local tokens, heads, fingerprint)
+  routes     split sums match index lengths, indices lie inside source/target buffers, forward routes place
+             (recv_index is a permutation of the arranged buffer), send_splits[r][d] == recv_splits[d][r]
+  Q          every local unit (token, h) of every rank is sent exactly once, to the destination the
+             assignment gives its tile; the inverse route returns every output to its home exactly once
+  KV         simulated with (sequence, position, h) ids: per destination no unit arrives twice (dedup),
+             every referenced group arrives complete and contiguous in sample order
+  varlen     cu_seqlens_q tiles the arranged Q buffer; entry i's query rows are sample positions
+             [e-q_len, e) of one sample s on one shard h and keys [off, off+len_s) hold group (s, h)
+  bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of
+             V_g(r) (``tiles.group_remote_bytes``) + sum over migrated tiles of V_Q + V_O; per-rank
+             ``bytes_sent`` equals the remote units its routes move
+Cost: O(total units of all ranks) -- meant for tests and debug runs, not for every step at scale.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PlanError
+from .exchange import ExchangePlan, Route
+
+__all__ = ["validate_plan"]
+
+
+def validate_plan(plan: ExchangePlan, tiles) -> None:
+    """Raise PlanError (naming rank, and tile where one is involved) if ``plan`` does not execute
+    ``plan.assignment`` of ``tiles`` exactly; return None otherwise."""
+    _check_pool(plan, tiles)
+    ranks = list(plan.ranks)
+    for name in ("q_route", "kv_route"):
+        routes = [getattr(rp, name) for rp in ranks]
+        for w, rt in enumerate(routes):
+            _check_route(rt, w, name, ranks[w].local_tokens * tiles.head_split)
+        _check_cross_rank(routes, name)
+    unit_tile, unit_ids = _unit_tiles(tiles), _unit_ids(tiles)
+    arranged_q = _check_q(plan, ranks, unit_tile, np.concatenate(unit_ids))
+    arranged_kv = _exchange([rp.kv_route for rp in ranks], unit_ids)
+    for w, rp in enumerate(ranks):
+        _check_kv_dedup(arranged_kv[w], w)
+        _check_varlen(rp, tiles, arranged_q[w], arranged_kv[w])
+    _check_bytes(plan, tiles, ranks)
+
+
+# ------------------------------------------------------------------ structure
+def _check_pool(plan: ExchangePlan, tiles) -> None:
+    W = tiles.num_workers
+    if plan.num_workers != W:
+        raise PlanError(f"plan has {plan.num_workers} ranks, the pool has {W} workers")
+    a = np.asarray(plan.assignment)
+    if a.shape != (tiles.num_tiles,):
+        raise PlanError(f"assignment has shape {a.shape}, expected ({tiles.num_tiles},)")
+    bad = np.flatnonzero((a < 0) | (a >= W))
+    if bad.size:
+        raise PlanError(f"tile {int(bad[0])}: destination {int(a[bad[0]])} outside the pool of {W} workers")
+    for w, rp in enumerate(plan.ranks):
+        got = (rp.rank, rp.num_workers, rp.local_tokens, rp.heads, rp.fingerprint)
+        want = (w, W, tiles.layout.local_len, tiles.heads, plan.fingerprint)
+        if got != want:
+            raise PlanError(f"rank {w}: (rank, num_workers, local_tokens, heads, fingerprint) = {got}, expected {want}")
+
+
+def _check_route(rt: Route, w: int, name: str, source_len: int) -> None:
+    W = len(rt.send_splits)
+    where = f"rank {w}: {name}"
+    if rt.accumulate:
+        raise PlanError(f"{where} is a forward route but accumulate=True")
+    if rt.source_len != source_len:
+        raise PlanError(f"{where}: source_len {rt.source_len} != local_tokens*H = {source_len}")
+    if len(rt.recv_splits) != W or (rt.send_splits < 0).any() or (rt.recv_splits < 0).any():
+        raise PlanError(f"{where}: splits must be {W} non-negative counts")
+    if rt.send_splits.sum() != rt.send_index.size or rt.recv_splits.sum() != rt.recv_index.size:
+        raise PlanError(
+            f"{where}: splits sum to ({int(rt.send_splits.sum())}, {int(rt.recv_splits.sum())}) but the "
+            f"index arrays hold ({rt.send_index.size}, {rt.recv_index.size}) units"
+        )
+    if rt.send_index.size and (rt.send_index.min() < 0 or rt.send_index.max() >= rt.source_len):
+        raise PlanError(f"{where}: send_index outside [0, {rt.source_len})")
+    if rt.recv_index.size != rt.target_len or (np.bincount(rt.recv_index, minlength=rt.target_len) != 1).any():
+        raise PlanError(f"{where}: recv_index is not a permutation of range({rt.target_len})")
+
+
+def _check_cross_rank(routes, name: str) -> None:
+    send = np.stack([rt.send_splits for rt in routes])
+    recv = np.stack([rt.recv_splits for rt in routes])
+    bad = np.argwhere(send != recv.T)
+    if bad.size:
+        r, d = (int(x) for x in bad[0])
+        raise PlanError(f"rank {r}: {name} sends {int(send[r, d])} units to rank {d}, which expects {int(recv[d, r])}")
+
+
+# ------------------------------------------------------------------ simulated exchange
+def _exchange(routes, sources):
+    """all_to_all of id arrays (same contract as ``execute.exchange_numpy``, kept separate on purpose)."""
+    W = len(routes)
+    sent = [src[rt.send_index] for rt, src in zip(routes, sources)]
+    offs = [np.concatenate([[0], np.cumsum(rt.send_splits)]) for rt in routes]
+    out = []
+    for d, rt in enumerate(routes):
+        recv = np.concatenate([sent[s][offs[s][d] : offs[s][d + 1]] for s in range(W)])
+        tgt = np.full(rt.target_len, -1, dtype=np.int64)
+        if rt.accumulate:
+            np.add.at(tgt, rt.recv_index, recv + 1)
+        else:
+            tgt[rt.recv_index] = recv
+        out.append(tgt)
+    return out
+
+
+def _unit_ids(tiles):
+    """Per worker: int64 [local_len*H] ids ((seq*L + global pos)*H + h) of its local units."""
+    lay, H = tiles.layout, tiles.head_split
+    out = []
+    for w in range(tiles.num_workers):
+        seq, c = divmod(w, lay.cp)
+        pos = lay.local_to_global(c)
+        out.append(((seq * lay.seq_len + pos)[:, None] * H + np.arange(H)[None, :]).reshape(-1))
+    return out
+
+
+def _unit_tiles(tiles):
+    """Per worker: int64 [local_len*H] tile id of every local unit (from the block table)."""
+    H, n = tiles.head_split, tiles.layout.local_len * tiles.head_split
+    out = [np.full(n, -1, dtype=np.int64) for _ in range(tiles.num_workers)]
+    for b in range(tiles.num_blocks):
+        lo = int(tiles.block_local_start[b])
+        tok = np.arange(lo, lo + int(tiles.block_end[b] - tiles.block_start[b]))
+        for h in range(H):
+            out[int(tiles.block_home[b])][tok * H + h] = b * H + h
+    return out
+
+
+# ------------------------------------------------------------------ Q dispatch and O return
+def _check_q(plan, ranks, unit_tile, flat_unit_ids):
+    """Q units go exactly once to their tile's destination; outputs come back home exactly once."""
+    W = len(ranks)
+    for w, rp in enumerate(ranks):
+        rt = rp.q_route
+        counts = np.bincount(rt.send_index, minlength=rt.source_len)
+        if (counts != 1).any():
+            u = int(np.flatnonzero(counts != 1)[0])
+            raise PlanError(f"rank {w}: Q unit {u} (tile {int(unit_tile[w][u])}) is sent {int(counts[u])} times")
+        dest = np.repeat(np.arange(W), rt.send_splits)
+        tile = unit_tile[w][rt.send_index]
+        bad = np.flatnonzero(dest != plan.assignment[tile])
+        if bad.size:
+            t = int(tile[bad[0]])
+            raise PlanError(
+                f"rank {w}: tile {t} Q sent to rank {int(dest[bad[0]])}, assigned to {int(plan.assignment[t])}"
+            )
+    ids = [w * ranks[0].q_route.source_len + np.arange(rp.q_route.source_len) for w, rp in enumerate(ranks)]
+    arranged = _exchange([rp.q_route for rp in ranks], ids)
+    back = _exchange([rp.q_route.inverse() for rp in ranks], arranged)
+    for w in range(W):
+        bad = np.flatnonzero(back[w] != ids[w])  # accumulate adds 1 to the -1 fill: exact iff one return
+        if bad.size:
+            u = int(bad[0])
+            raise PlanError(
+                f"rank {w}: output of unit {u} (tile {int(unit_tile[w][u])}) does not return home exactly once"
+            )
+    return [flat_unit_ids[a] for a in arranged]  # (worker*source_len + unit) -> (seq*L + pos)*H + h
+
+
+# ------------------------------------------------------------------ KV and varlen
+def _check_kv_dedup(arranged_kv: np.ndarray, w: int) -> None:
+    uniq, counts = np.unique(arranged_kv, return_counts=True)
+    if (counts > 1).any():
+        raise PlanError(f"rank {w}: KV unit id {int(uniq[counts > 1][0])} arrives {int(counts.max())} times (no dedup)")
+
+
+def _decode(ids: np.ndarray, tiles):
+    """(seq*L + pos)*H + h ids -> (sample, sample-local position, h)."""
+    H, L = tiles.head_split, tiles.layout.seq_len
+    tok, h = np.divmod(ids, H)
+    seq, pos = np.divmod(tok, L)
+    key = seq * L + pos
+    sample_key = tiles.sample_seq * L + tiles.sample_start
+    sample = np.searchsorted(sample_key, key, side="right") - 1
+    return sample, key - sample_key[sample], h
+
+
+def _check_varlen(rp, tiles, q_ids: np.ndarray, kv_ids: np.ndarray) -> None:
+    w, cu = rp.rank, rp.cu_seqlens_q
+    n = rp.num_seqs
+    if cu.shape != (n + 1,) or rp.seq_kv_offset.shape != (n,) or cu[0] != 0 or cu[-1] != q_ids.size:
+        raise PlanError(f"rank {w}: cu_seqlens_q must be [0 .. {q_ids.size}] with {n}+1 entries")
+    q_len = np.diff(cu)
+    if (q_len < 1).any() or (rp.seq_k_len < q_len).any():
+        raise PlanError(f"rank {w}: varlen entry with q_len < 1 or k_len < q_len")
+    entry = np.repeat(np.arange(n), q_len)
+    sample, pos, h = _decode(q_ids, tiles)
+    want_pos = (rp.seq_k_len - q_len)[entry] + (np.arange(q_ids.size) - cu[entry])
+    bad = np.flatnonzero((pos != want_pos) | (sample != sample[cu[entry]]) | (h != h[cu[entry]]))
+    if bad.size:
+        i = int(entry[bad[0]])
+        raise PlanError(f"rank {w}: varlen entry {i} query rows are not sample positions [e-q_len, e) of one group")
+    _check_groups(rp, tiles, sample[cu[:-1]], h[cu[:-1]], kv_ids)
+
+
+def _check_groups(rp, tiles, ent_sample, ent_h, kv_ids) -> None:
+    """Keys [off, off+len_s) of every entry hold the complete group (s, h) in sample order."""
+    w, H, L = rp.rank, tiles.head_split, tiles.layout.seq_len
+    off, idx = np.unique(rp.seq_kv_offset, return_index=True)
+    s, h = ent_sample[idx], ent_h[idx]
+    length = tiles.sample_len[s]
+    if length.sum() != kv_ids.size:
+        raise PlanError(f"rank {w}: arranged KV holds {kv_ids.size} units, referenced groups need {int(length.sum())}")
+    for o, si, hi, ln in zip(off, s, h, length):
+        want = ((tiles.sample_seq[si] * L + tiles.sample_start[si] + np.arange(ln)) * H + hi)
+        got = kv_ids[o : o + ln]
+        if got.shape != want.shape or (got != want).any():
+            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold group (sample {si}, h {hi}) in order")
+    for i in range(rp.num_seqs):
+        j = int(np.searchsorted(off, rp.seq_kv_offset[i]))
+        if (s[j], h[j]) != (ent_sample[i], ent_h[i]):
+            raise PlanError(f"rank {w}: varlen entry {i} points at the KV of another group")
+
+
+# ------------------------------------------------------------------ bytes (Eq. 8)
+def _eq8_bytes(tiles, assignment: np.ndarray):
+    """(kv bytes, q+o bytes) of Eq. 8 summed over the assignment, from tile_groups/group_remote_bytes."""
+    referenced = set()
+    for t in range(tiles.num_tiles):
+        referenced.update((int(g), int(assignment[t])) for g in tiles.tile_groups(t))
+    kv = sum(tiles.group_remote_bytes(g, r) for g, r in referenced)
+    migrated = assignment != tiles.tile_home()
+    per_token = tiles.heads.q_bytes_per_token() + tiles.heads.o_bytes_per_token()
+    return kv, int(tiles.tile_tokens()[migrated].sum()) * per_token
+
+
+def _check_bytes(plan: ExchangePlan, tiles, ranks) -> None:
+    kv, qo = _eq8_bytes(tiles, np.asarray(plan.assignment))
+    if (plan.bytes_kv, plan.bytes_q + plan.bytes_o) != (kv, qo):
+        raise PlanError(
+            f"plan bytes (kv {plan.bytes_kv}, q+o {plan.bytes_q + plan.bytes_o}) != "
+            f"Eq. 8 accounting (kv {kv}, q+o {qo})"
+        )
+    hd = tiles.heads
+    per_unit = np.array([hd.q_bytes_per_token(), hd.kv_bytes_per_token(), hd.o_bytes_per_token()])
+    for w, rp in enumerate(ranks):
+        o_units = rp.q_route.recv_splits.sum() - rp.q_route.recv_splits[w]
+        units = np.array([rp.q_route.remote_units_sent(w), rp.kv_route.remote_units_sent(w), o_units])
+        if tuple(int(x) for x in units * per_unit) != tuple(rp.bytes_sent):
+            raise PlanError(
+                f"rank {w}: bytes_sent {rp.bytes_sent} != remote units {units.tolist()} * {per_unit.tolist()}"
+            )
+    if sum(rp.bytes_sent[0] for rp in ranks) != plan.bytes_q:
+        raise PlanError(f"plan bytes_q {plan.bytes_q} != sum of per-rank Q bytes")
