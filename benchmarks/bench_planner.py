@@ -1,0 +1,116 @@
+"""Planner latency on this machine vs the budgets of the issue (medians over real-trace pools).
+
+Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R]
+
+Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
+Megatron-style): build_tiles, place_tiles(ALG2), build_exchange_plan (if present) -- one pool's TAP plan.
+  256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
+  1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
+VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_balance import TRACE_DIR, load_trace, pack  # noqa: E402
+from libra_megatron.config import SequencePlacement, TilePlacement, TokenLayoutKind  # noqa: E402
+from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
+from libra_megatron.plan.placement import place_tiles  # noqa: E402
+from libra_megatron.plan.sequences import place_sequences  # noqa: E402
+from libra_megatron.plan.tiles import build_tiles  # noqa: E402
+from libra_megatron.plan.workload import sequence_flops  # noqa: E402
+
+try:
+    from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
+except ImportError:
+    build_exchange_plan = None
+
+POOL_SIZE = 8
+CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
+    ("256K H=1", 256 * 1024, 8, 4096, 1, (128, 16, 256), 20.0),
+    ("1M H=1", 1024 * 1024, 16, 8192, 1, (128, 4, 256), 50.0),
+    ("1M H=2", 1024 * 1024, 16, 8192, 2, (128, 4, 256), 50.0),
+    ("1M H=4", 1024 * 1024, 16, 8192, 4, (128, 4, 256), 50.0),
+)
+
+
+CLOCK = time.perf_counter  # --cpu switches to time.process_time (robust when the 2 cores are shared)
+
+
+def timed(fn, *args, **kwargs):
+    start = CLOCK()
+    out = fn(*args, **kwargs)
+    return out, (CLOCK() - start) * 1e3
+
+
+def pools_of(segs, num_pools):
+    """The first ``num_pools`` pools after refined VRSP over GBS windows of 128 sequences."""
+    flops, out = sequence_flops(segs), []
+    for w in range(0, len(segs) - 127, 128):
+        order = w + place_sequences(flops[w : w + 128], POOL_SIZE)
+        out += [[segs[i] for i in order[k * POOL_SIZE : (k + 1) * POOL_SIZE]] for k in range(16)]
+        if len(out) >= num_pools:
+            break
+    return out[:num_pools]
+
+
+def bench_case(segs_by_trace, case, num_pools, reps):
+    name, seq_len, cp, block, H, head_dims, budget = case
+    layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
+    heads = HeadLayout(*head_dims, head_split=H, num_chunks=4, elem_bytes=2)
+    for trace, segs in segs_by_trace.items():
+        times = {"build": [], "place": [], "exchange": [], "tiles": []}
+        for pool in pools_of(segs[seq_len], num_pools):
+            for _ in range(reps):
+                tiles, t_build = timed(build_tiles, pool, layout, heads, block)
+                result, t_place = timed(place_tiles, tiles, 0.03, TilePlacement.ALG2)
+                t_ex = timed(build_exchange_plan, tiles, result.assignment)[1] if build_exchange_plan else float("nan")
+                for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("tiles", tiles.num_tiles)):
+                    times[key].append(val)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        total = med["build"] + med["place"] + (0.0 if np.isnan(med["exchange"]) else med["exchange"])
+        print(f"{name:<10}{trace:<10}{int(med['tiles']):>6}{med['build']:>9.2f}{med['place']:>9.2f}"
+              f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>9.2f}{total:>9.2f}{budget:>8.0f}"
+              f"{med['place'] / budget:>8.2f}{'  OK' if total <= budget else '  OVER'}")
+
+
+def bench_vrsp(flops, reps):
+    gbs = 1024
+    flops = np.resize(flops, gbs)  # the trace's first 1024 sequences (wrapped if shorter)
+    for method in (SequencePlacement.ALG1, SequencePlacement.REFINED):
+        ms = [timed(place_sequences, flops, POOL_SIZE, method)[1] for _ in range(reps)]
+        print(f"VRSP {method.value:<8} GBS={gbs} P={POOL_SIZE}: median {np.median(ms):.2f} ms "
+              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pools", type=int, default=8, help="pools per trace and case")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall clock")
+    args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu else time.perf_counter
+    print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; load average {os.getloadavg()[0]:.1f}")
+    segs_by_trace = {}
+    for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
+        docs = load_trace(os.path.join(TRACE_DIR, trace))
+        segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
+    print(f"exchange plan: {'build_exchange_plan' if build_exchange_plan else 'not available (nan)'}")
+    print(f"{'case':<10}{'trace':<10}{'tiles':>6}{'build':>9}{'place':>9}{'place90':>9}{'exch':>9}"
+          f"{'total':>9}{'budget':>8}{'pl/bud':>8}   (ms, medians)")
+    for case in CASES:
+        bench_case(segs_by_trace, case, args.pools, args.reps)
+    bench_vrsp(sequence_flops(segs_by_trace["linux"][256 * 1024]), 20 * args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Algorithm 2 (§4.3.2) and Eq. 8: the fast placer equals a direct implementation over all workers."""
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from libra_megatron.config import TilePlacement, TokenLayoutKind
+from libra_megatron.plan import placement
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.placement import assignment_comm_bytes, place_tiles
+from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.workload import worker_lower_bound
+
+HEADS = {  # (hq, hkv, d): Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, paper microbench 256K / 1M
+    "qwen3-8b": (32, 8, 128),
+    "qwen3-30b": (32, 4, 128),
+    "qwen3-235b": (64, 4, 128),
+    "micro-256k": (128, 16, 256),
+    "micro-1m": (128, 4, 256),
+}
+
+
+def reference_alg2(tiles, tau):
+    """Algorithm 2 line by line over all W workers, Eq. 8 from tiles.group_remote_bytes."""
+    f = [int(x) for x in tiles.tile_flops()]
+    W = tiles.num_workers
+    cap = (1.0 + tau) * sum(f) / W
+    order = sorted(range(len(f)), key=lambda t: (-f[t], t))
+    loads, resident = [0] * W, [set() for _ in range(W)]
+    homes, tokens = tiles.tile_home(), tiles.tile_tokens()
+    qo = 2 * tiles.heads.q_bytes_per_token()
+    assignment, comm, fallbacks = [0] * len(f), 0, 0
+
+    def dcomm(t, r):
+        kv = sum(tiles.group_remote_bytes(g, r) for g in tiles.tile_groups(t) if int(g) not in resident[r])
+        return kv + (int(tokens[t]) * qo if r != homes[t] else 0)
+
+    for t in order:
+        scores = [dcomm(t, r) for r in range(W)]
+        feasible = [r for r in range(W) if loads[r] + f[t] <= cap]
+        if feasible:
+            best = min(feasible, key=lambda r: (scores[r], loads[r], r))
+        else:
+            fallbacks += 1
+            best = min(range(W), key=lambda r: (loads[r], scores[r], r))
+        assignment[t] = best
+        loads[best] += f[t]
+        comm += scores[best]
+        resident[best].update(int(g) for g in tiles.tile_groups(t))
+    return np.array(assignment), comm, fallbacks
+
+
+def random_segments(rng, num_seqs, seq_len):
+    out = []
+    for _ in range(num_seqs):
+        cuts = np.sort(rng.choice(np.arange(1, seq_len), size=min(seq_len - 1, rng.integers(0, 24)), replace=False))
+        seg = np.diff(np.concatenate([[0], cuts, [seq_len]]))
+        if rng.random() < 0.3:  # one long outlier sample
+            seg = np.array([seq_len])
+        out.append(seg)
+    return out
+
+
+@st.composite
+def pools(draw):
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    kind = draw(st.sampled_from([TokenLayoutKind.ZIGZAG, TokenLayoutKind.CONTIGUOUS]))
+    cp = draw(st.sampled_from([1, 2, 4]))
+    pool = draw(st.integers(1, 4))
+    H = draw(st.sampled_from([1, 2, 4]))
+    hq, hkv, d = HEADS[draw(st.sampled_from(sorted(HEADS)))]
+    chunks = 2 * cp if kind is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+    seq_len = chunks * draw(st.integers(4, 32))
+    block = draw(st.integers(3, 40))
+    tau = draw(st.sampled_from([0.0, 0.03, 0.2]))
+    layout = TokenLayout(kind, seq_len, cp)
+    heads = HeadLayout(hq, hkv, d, H, 2, elem_bytes=2)
+    tiles = build_tiles(random_segments(rng, pool, seq_len), layout, heads, block)
+    return tiles, tau
+
+
+@settings(max_examples=150, deadline=None)
+@given(pools())
+def test_alg2_equals_direct_reference_with_gqa_and_both_layouts(case):
+    tiles, tau = case
+    expected, comm, fallbacks = reference_alg2(tiles, tau)
+    got = place_tiles(tiles, tau=tau, method=TilePlacement.ALG2)
+    np.testing.assert_array_equal(got.assignment, expected)
+    assert sum(got.comm_bytes) == comm
+    assert got.num_fallback == fallbacks
+    np.testing.assert_array_equal(got.loads, np.bincount(expected, tiles.tile_flops(), tiles.num_workers))
+
+
+@settings(max_examples=40, deadline=None)
+@given(pools())
+def test_refined_never_worse_than_alg2_and_home_has_no_q_traffic(case):
+    tiles, tau = case
+    alg2 = place_tiles(tiles, tau=tau, method=TilePlacement.ALG2)
+    refined = place_tiles(tiles, tau=tau, method=TilePlacement.REFINED)
+    home = place_tiles(tiles, tau=tau, method=TilePlacement.HOME)
+    assert refined.loads.max() <= alg2.loads.max()
+    assert refined.loads.max() >= worker_lower_bound(tiles.tile_flops(), tiles.num_workers) - 1e-6
+    np.testing.assert_array_equal(home.assignment, tiles.tile_home())
+    assert home.comm_bytes[0] == 0 and home.comm_bytes[2] == 0
+    for result in (alg2, refined, home):
+        assert result.loads.sum() == tiles.tile_flops().sum()
+        assert result.comm_bytes == assignment_comm_bytes(tiles, result.assignment)
+
+
+def _two_sequence_pool():
+    # P=2, CP=1, L=8, B=4: seq 0 = one sample of 8 (blocks f=10, 26), seq 1 = eight samples of 1 (f=4, 4)
+    layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 8, 1)
+    heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
+    return build_tiles([[8], [1] * 8], layout, heads, 4)
+
+
+def test_alg2_hand_computed_case_with_fallback_and_kv_reuse():
+    tiles = _two_sequence_pool()
+    np.testing.assert_array_equal(tiles.tile_flops(), [10, 26, 4, 4])
+    # C = 1.0 * 44 / 2 = 22. Order: t1 (26), t0 (10), t2 (4), t3 (4; tie -> lower id first).
+    # t1: nobody fits (26 > 22) -> fallback argmin (L, dcomm, r): L ties at 0, dcomm(home 0)=0 -> worker 0.
+    # t0: feasible {1}: worker 0 has 26. Goes to 1: KV of sample 0 (8 tokens * 2 bytes) + Q/O 2*4*1.
+    # t2, t3: feasible {1}; stay... worker 1 is their home with dcomm 0.
+    res = place_tiles(tiles, tau=0.0, method=TilePlacement.ALG2)
+    np.testing.assert_array_equal(res.assignment, [1, 0, 1, 1])
+    assert res.num_fallback == 1
+    assert res.comm_bytes == (4, 16, 4)
+    assert res.capacity == 22.0
+
+
+def test_alg2_prefers_resident_kv_group_over_lower_load():
+    # One sample of 12 tokens, CP=1, P=2, B=4: tiles f = 10, 26, 42 (ids 0,1,2), home 0; worker 1 empty.
+    # tau large => everything feasible; dcomm picks the home (0 bytes) every time.
+    layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 12, 1)
+    heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
+    tiles = build_tiles([[12], [12]], layout, heads, 4)
+    res = place_tiles(tiles, tau=10.0, method=TilePlacement.ALG2)
+    np.testing.assert_array_equal(res.assignment, tiles.tile_home())
+    assert res.comm_bytes == (0, 0, 0)
+    # tau = 0: C = 156/2 = 78 per worker; t5 (42, home 1) -> 1, t2 (42, home 0) -> 0, t4 (26) -> 1,
+    # t1 (26) -> 0, t3 (10): worker 1 has 68, 0 has 68: both feasible, home 1 wins (dcomm 0). t0 -> 0.
+    res = place_tiles(tiles, tau=0.0, method=TilePlacement.ALG2)
+    np.testing.assert_array_equal(res.assignment, tiles.tile_home())
+
+
+def test_place_tiles_rejects_negative_tau():
+    with pytest.raises(ValueError, match="tau"):
+        place_tiles(_two_sequence_pool(), tau=-0.1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pools())
+def test_alg2_load_ordered_scan_path_equals_direct_reference(case):
+    # force the path used when a shared KV group is resident on many workers (> _FEW_RESIDENTS)
+    tiles, tau = case
+    expected, comm, _ = reference_alg2(tiles, tau)
+    with mock.patch.object(placement, "_FEW_RESIDENTS", 0):
+        got = place_tiles(tiles, tau=tau, method=TilePlacement.ALG2)
+    np.testing.assert_array_equal(got.assignment, expected)
+    assert sum(got.comm_bytes) == comm
+
+
+@pytest.mark.parametrize("head_split,tau", [(1, 0.0), (4, 0.03)])
+def test_alg2_equals_reference_on_a_32_worker_pool_with_long_samples(head_split, tau):
+    # synthetic: P=4, CP=8 zigzag, L=512, B=16; each sequence mixes one long sample with short ones
+    rng = np.random.default_rng(7)
+    segs = []
+    for _ in range(4):
+        long_len = int(rng.integers(200, 512))
+        rest = np.diff(np.concatenate([[0], np.sort(rng.choice(np.arange(1, 512 - long_len), 6, replace=False)), [512 - long_len]]))
+        segs.append(np.concatenate([rest[:3], [long_len], rest[3:]]))
+    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 512, 8), HeadLayout(32, 4, 128, head_split, 2), 16)
+    expected, comm, fallbacks = reference_alg2(tiles, tau)
+    got = place_tiles(tiles, tau=tau)
+    np.testing.assert_array_equal(got.assignment, expected)
+    assert (sum(got.comm_bytes), got.num_fallback) == (comm, fallbacks)
+    assert (got.assignment != tiles.tile_home()).any()
