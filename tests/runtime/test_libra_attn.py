@@ -1,0 +1,116 @@
+"""libra_attn_func and ulysses_attn_func on CPU gloo (2, 4, 8 ranks) against the dense fp64 reference.
+
+One spawned run per world size executes all cases (spawning dominates the cost); the tests below assert
+on its per-rank results.
+"""
+import numpy as np
+import pytest
+
+from libra_megatron.testing.dist import run_distributed
+
+from .cases import HEAD_CONFIGS, make_cases, run_suite, trace_segments
+
+CASES_PER_WORLD = {2: 10, 4: 10, 8: 6}
+TOL = {"float64": 1e-10, "float32": 2e-5}
+
+
+def _stale_cases(world_size):
+    base = make_cases(world_size, seed=99, count=1)[0]
+    faults = [("fingerprint", 1 % world_size), ("tokens", world_size - 1), ("heads", 0)]
+    return [dict(base, fault=f, bad_rank=r, dtype="float64") for f, r in faults]
+
+
+def _ulysses_cases(world_size):
+    rng = np.random.default_rng(7 + world_size)
+    out = []
+    for i, (hq, hkv) in enumerate([(8, 8), (8, 2), (8, 1)]):
+        L = 16 * world_size // 2 * 2 if world_size > 2 else 32
+        out.append(dict(L=L, segs=trace_segments(rng, 1, L), hq=hq, hkv=hkv, d=4, layout=["contiguous", "zigzag"][i % 2],
+                        data_seed=int(rng.integers(1 << 30))))
+    return out
+
+
+_RESULTS = {}
+
+
+def _suite(world_size):
+    if world_size not in _RESULTS:
+        libra = make_cases(world_size, seed=1000 + world_size, count=CASES_PER_WORLD[world_size])
+        stale = _stale_cases(world_size) if world_size == 4 else []
+        ulysses = _ulysses_cases(world_size) if world_size in (2, 4) else []
+        halves = make_cases(world_size // 2, seed=2000 + world_size, count=4) if world_size == 4 else []
+        subpool = list(zip(halves[0::2], halves[1::2]))  # (pool 0 case, pool 1 case) pairs
+        results = run_distributed(run_suite, world_size, libra, stale, ulysses, subpool, timeout=150)
+        _RESULTS[world_size] = (libra, stale, ulysses, results, subpool)
+    return _RESULTS[world_size]
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placements(world_size):
+    cases, _, _, results, _ = _suite(world_size)
+    for i, case in enumerate(cases):
+        for rank, res in enumerate(results):
+            r = res["libra"][i]
+            assert r["shape_ok"], (case, rank)
+            bad = [e for e in r["errs"] if not e <= TOL[case["dtype"]]]
+            assert not bad, f"case {i} rank {rank}: rel errors (out, dq, dk, dv) {r['errs']} for {case}"
+            assert r["kernel_calls"] == 2 * case["M"], "one kernel call per chunk, forward and backward"
+
+
+def test_two_pools_on_subgroups_run_different_plans_concurrently():
+    _, _, _, results, subpool = _suite(4)
+    for i, pair in enumerate(subpool):
+        for rank, res in enumerate(results):
+            case, r = pair[rank // 2], res["subpool"][i]
+            assert r["shape_ok"] and max(r["errs"]) <= TOL[case["dtype"]], (i, rank, r["errs"])
+            assert (r["bytes"].get("q", 0), r["bytes"].get("kv", 0), r["bytes"].get("o", 0)) == tuple(r["plan_bytes"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
+    cases, _, _, results, _ = _suite(world_size)
+    for i, case in enumerate(cases):
+        for rank, res in enumerate(results):
+            r = res["libra"][i]
+            got, (bq, bkv, bo) = r["bytes"], r["plan_bytes"]
+            fwd = (got.get("q", 0), got.get("kv", 0), got.get("o", 0))
+            assert fwd == (bq, bkv, bo), (i, rank, got, r["plan_bytes"])
+            # backward mirrors forward: dO follows Q, dQ follows O, dK|dV go back the way K|V came
+            assert (got.get("do", 0), got.get("dq", 0), got.get("dkv", 0)) == (bq, bo, r["kv_recv_bytes"]), (i, rank)
+            if case["save_mode"] == "refetch":
+                assert (got.get("q_bwd", 0), got.get("kv_bwd", 0), got.get("o_bwd", 0)) == (bq, bkv, bq), (i, rank)
+            else:
+                assert "q_bwd" not in got and r["saved_bytes"] > 0
+        total_kv = sum(res["libra"][i]["bytes"].get("kv", 0) for res in results)
+        assert total_kv == sum(res["libra"][i]["bytes"].get("dkv", 0) for res in results)
+
+
+def test_cases_cover_the_required_grid():
+    seen = {k: set() for k in ("P", "cp", "H", "M", "ratio", "layout", "assign", "dtype", "save_mode", "fmt")}
+    for w in CASES_PER_WORLD:
+        for c in make_cases(w, seed=1000 + w, count=CASES_PER_WORLD[w]):
+            for k in seen:
+                seen[k].add(c["hq"] // c["hkv"] if k == "ratio" else c[k])
+    assert seen["P"] == {1, 2, 4} and seen["cp"] == {1, 2} and seen["H"] == {1, 2, 4} and seen["M"] == {1, 2, 4}
+    assert seen["ratio"] == {1, 4, 8} and seen["assign"] == {"home", "random", "alg2"}
+    assert len(seen["layout"]) == len(seen["dtype"]) == len(seen["save_mode"]) == len(seen["fmt"]) == 2
+    assert {(hq, hkv, H, M) for hq, hkv, H, M in HEAD_CONFIGS if H > hkv}, "need H > hkv configs"
+
+
+def test_stale_or_mismatched_plan_raises_plan_error_on_every_rank():
+    _, stale, _, results, _ = _suite(4)
+    expect = {"fingerprint": "fingerprints differ", "tokens": "local token count", "heads": "query heads"}
+    for i, case in enumerate(stale):
+        for rank, res in enumerate(results):
+            msg = res["stale"][i]
+            assert msg.startswith("PlanError"), (case["fault"], rank, msg)
+            assert expect[case["fault"]] in msg and f"rank {case['bad_rank']}" in msg, msg
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ulysses_matches_reference(world_size):
+    _, _, cases, results, _ = _suite(world_size)
+    for i, case in enumerate(cases):
+        for rank, res in enumerate(results):
+            errs = res["ulysses"][i]
+            assert max(errs) <= 1e-10, (case, rank, errs)
