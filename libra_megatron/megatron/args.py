@@ -1,0 +1,166 @@
+"""``--libra-*`` command-line flags and the YAML config, for Megatron-LM's ``parse_args(extra_args_provider)``.
+
+Precedence: ``LibraConfig`` defaults < ``--libra-config PATH`` (YAML) < explicit ``--libra-*`` flags <
+the ablation switches ``--libra-disable-vrsp`` (sequence_placement=contiguous) and
+``--libra-disable-tap`` (tile_placement=home), which are logged. Every flag defaults to None so an
+override is detectable. An ablation switch that contradicts an explicit placement flag is an error.
+``log_and_save_libra_config`` writes the effective config (``libra_config.yaml``) next to the run, so
+the YAML shows what actually ran.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import fields
+from typing import Any, Dict, Optional
+
+from ..config import (
+    KernelBackendName,
+    LibraConfig,
+    PackingMode,
+    SequencePlacement,
+    TilePlacement,
+    TokenLayoutKind,
+    flag_name,
+)
+
+__all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "CONFIG_FILE_NAME"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE_NAME = "libra_config.yaml"
+
+_FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
+    "pool_size": int, "head_split": int, "block_size": int, "num_chunks": int, "tau": float,
+    "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
+    "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
+}
+_HELP = {
+    "pool_size": "P: DP replicas per sequence pool (P | DP); a pool has P*CP workers.",
+    "head_split": "H: query-head shards per SH-Tile (H | num attention heads).",
+    "block_size": "B: tokens per SH-Tile sequence block.",
+    "num_chunks": "M: TAP Pipeliner head chunks per tile (M | heads/H).",
+    "tau": "Load slack of Algorithm 2: target (1+tau) * mean worker load.",
+    "sequence_placement": "VRSP placement of packed sequences into pools.",
+    "tile_placement": "SH-Tile placement inside a pool.",
+    "packing": "Packing of the simulator / synthetic corpora (GPTDataset training packs megatron-style).",
+    "kernel_backend": "Attention kernel of the Libra operator.",
+    "token_layout": "CP token layout of each packed sequence.",
+}
+_ABLATIONS = {  # switch -> (config key, value it forces)
+    "libra_disable_vrsp": ("sequence_placement", SequencePlacement.CONTIGUOUS),
+    "libra_disable_tap": ("tile_placement", TilePlacement.HOME),
+}
+
+
+def _dest(key: str) -> str:
+    return flag_name(key)[2:].replace("-", "_")
+
+
+def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "libra" argument group; usable as (or chained into) Megatron's ``extra_args_provider``."""
+    group = parser.add_argument_group(title="libra")
+    for key, kind in _FLAG_TYPES.items():
+        if isinstance(kind, type) and issubclass(kind, str):  # the str-valued enums
+            group.add_argument(flag_name(key), dest=_dest(key), type=str, default=None,
+                               choices=[m.value for m in kind], help=_HELP[key])
+        else:
+            group.add_argument(flag_name(key), dest=_dest(key), type=kind, default=None, help=_HELP[key])
+    group.add_argument("--libra-config", dest="libra_config", type=str, default=None, metavar="PATH",
+                       help="YAML file of Libra keys (top-level mapping or under 'libra:'); flags override it.")
+    group.add_argument("--libra-disable-vrsp", dest="libra_disable_vrsp", action="store_true", default=None,
+                       help="Ablation: sequence_placement=contiguous (no inter-pool balancing).")
+    group.add_argument("--libra-disable-tap", dest="libra_disable_tap", action="store_true", default=None,
+                       help="Ablation: tile_placement=home (no SH-Tile migration).")
+    return parser
+
+
+def _flag_overrides(args: Any) -> Dict[str, Any]:
+    overrides = {}
+    for f in fields(LibraConfig):
+        value = getattr(args, _dest(f.name), None)
+        if value is not None:
+            overrides[f.name] = value
+    return overrides
+
+
+def _apply_ablations(args: Any, overrides: Dict[str, Any]) -> Dict[str, Any]:
+    for switch, (key, forced) in _ABLATIONS.items():
+        if not getattr(args, switch, None):
+            continue
+        flag = "--" + switch.replace("_", "-")
+        if key in overrides and type(forced)(overrides[key]) is not forced:
+            raise ValueError(
+                f"{flag} forces {key}={forced.value} but {flag_name(key)} {overrides[key]} was also given"
+            )
+        logger.warning("Libra ablation %s: %s=%s", flag, key, forced.value)
+        overrides[key] = forced
+    return overrides
+
+
+def _data_parallel_size(args: Any) -> int:
+    dp = getattr(args, "data_parallel_size", None)
+    if dp:
+        return int(dp)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    world = int(getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1")))
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} must be divisible by TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp}")
+    return world // (tp * pp * cp)
+
+
+def libra_config_from_args(args: Any) -> LibraConfig:
+    """Defaults < YAML (``--libra-config``) < ``--libra-*`` flags < ablations; validated against the model/run.
+
+    Reads ``num_attention_heads``, ``num_query_groups`` (only with ``group_query_attention``),
+    ``data_parallel_size`` (else world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``,
+    ``micro_batch_size`` and ``global_batch_size`` from ``args``. Raises ValueError naming the flag.
+    """
+    path = getattr(args, "libra_config", None)
+    if path is not None and not os.path.isfile(path):
+        raise ValueError(f"--libra-config {path}: no such file")
+    base = LibraConfig.from_yaml(path) if path is not None else LibraConfig()
+    config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    gbs = getattr(args, "global_batch_size", None)
+    return config.validate(
+        num_attention_heads=int(args.num_attention_heads),
+        num_query_groups=int(groups) if groups else None,
+        data_parallel_size=_data_parallel_size(args),
+        context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+        seq_length=getattr(args, "seq_length", None),
+        micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
+        global_batch_size=int(gbs) if gbs is not None else None,
+    )
+
+
+def _describe_sources(config: LibraConfig, args: Any) -> str:
+    flags = sorted(_flag_overrides(args))
+    ablations = [("--" + s.replace("_", "-")) for s in _ABLATIONS if getattr(args, s, None)]
+    return (f"# Effective Libra config. YAML: {getattr(args, 'libra_config', None)}; "
+            f"flag overrides: {flags or 'none'}; ablations: {ablations or 'none'}\n")
+
+
+def log_and_save_libra_config(config: LibraConfig, args: Any, save_dir: Optional[str] = None) -> str:
+    """Log the effective config and write ``libra_config.yaml`` (rank 0) to ``save_dir`` / ``args.save`` /
+    ``args.tensorboard_dir`` (the first set; nothing is written when none is). Returns the YAML text.
+    """
+    text = _describe_sources(config, args) + config.to_yaml()
+    logger.info("Libra effective config:\n%s", text)
+    directory = save_dir or getattr(args, "save", None) or getattr(args, "tensorboard_dir", None)
+    if directory is not None and _is_rank_zero():
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_FILE_NAME), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    return text
+
+
+def _is_rank_zero() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return True
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -1,0 +1,251 @@
+"""VRSP global-batch sampler (§4.2, §5 "Data and planning path"): Megatron's data sampler, pool-aware.
+
+Windows. Window ``v`` is one optimizer step: GBS dataset indices. ``single`` (Megatron's
+MegatronPretrainingSampler): indices ``[v*GBS, (v+1)*GBS)``; windows are anchored at index 0 and the
+trailing partial window is dropped (VRSP needs the whole step). ``cyclic`` (MegatronPretrainingRandomSampler):
+epoch ``e`` is a permutation of ``range(total_samples)`` drawn from ``numpy.random.default_rng([seed, e])``,
+cut into ``total_samples // GBS`` windows (the tail is dropped); one ``__iter__`` yields the rest of the
+current epoch and advances ``consumed_samples`` (Megatron's cyclic_iter calls it again). Every DP
+rank computes the same windows: there is no per-rank data sharding (VRSP needs the global window).
+
+Placement. For each window every rank reads the segment lengths of all GBS samples (metadata only,
+``segments_fn``), computes Eq. 4 workloads and runs ``place_sequences`` (Algorithm 1, refined or
+identity): a permutation ``order`` in GA-major, pool-minor order. Position ``n`` of the window runs at
+GA index ``n // DP`` on DP rank ``n % DP`` (mbs = 1), so pool ``k = n // P`` holds positions
+``[k*P, (k+1)*P)`` and DP rank r sits at pool position ``p = r % P`` (Fig. 7). The window's multiset
+of samples is preserved (a permutation).
+
+Resume. ``consumed_samples = c`` (a multiple of DP) means the first ``c`` samples in run order were
+consumed: the sampler restarts at window ``c // GBS`` (single; cyclic: in epoch ``c // (windows*GBS)``),
+GA index ``(c % GBS) // DP``, and yields exactly the suffix of an uninterrupted run.
+
+Output. Each item is ``[LibraSampleKey]`` (mbs = 1). ``LibraPoolDataset[key]`` returns the wrapped
+dataset's sample plus the pool metadata (see its docstring for the encoding).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..config import SequencePlacement
+from ..plan.sequences import place_sequences
+from ..plan.workload import sequence_flops
+from .segments import gpt_sample_segments
+
+__all__ = [
+    "LibraSampleKey",
+    "WindowPlan",
+    "LibraGlobalBatchSampler",
+    "LibraPoolDataset",
+    "build_libra_data_loader",
+    "encode_pool_segments",
+    "decode_pool_segments",
+]
+
+_LOADER_TYPES = ("single", "cyclic")
+
+
+@dataclass(frozen=True)
+class LibraSampleKey:
+    """One microbatch of one DP rank: the dataset index and its pool's metadata (picklable, hashable)."""
+
+    sample_index: int
+    pool_segments: Tuple[Tuple[int, ...], ...]  # P rows: segment lengths of the pool's sequences, pool order p
+    pool_position: int  # p: this rank's sequence is pool_segments[p]
+    window: int  # optimizer-step window v
+    ga_index: int  # g in [0, GBS/DP)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """A window after VRSP: ``sample_indices[n]`` runs at GA ``n // DP`` on DP rank ``n % DP``."""
+
+    window: int
+    sample_indices: np.ndarray  # int64 (GBS,), run order
+    segments: Tuple[np.ndarray, ...]  # aligned with sample_indices
+
+
+class LibraGlobalBatchSampler:
+    """Yields this DP rank's microbatches (mbs = 1) GA-major, pool-minor, window by window. See module doc."""
+
+    def __init__(self, dataset: Any, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 global_batch_size: int, data_parallel_rank: int, data_parallel_size: int, pool_size: int,
+                 sequence_placement=SequencePlacement.REFINED, dataloader_type: str = "single", seed: int = 1234,
+                 segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments) -> None:
+        _check_sampler_args(total_samples, consumed_samples, micro_batch_size, global_batch_size,
+                            data_parallel_rank, data_parallel_size, pool_size, dataloader_type)
+        self.dataset = dataset
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.global_batch_size = int(global_batch_size)
+        self.data_parallel_rank = int(data_parallel_rank)
+        self.data_parallel_size = int(data_parallel_size)
+        self.pool_size = int(pool_size)
+        self.sequence_placement = SequencePlacement(sequence_placement)
+        self.dataloader_type = dataloader_type
+        self.seed = int(seed)
+        self.segments_fn = segments_fn
+        self.windows_per_epoch = self.total_samples // self.global_batch_size
+        self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    @property
+    def num_ga(self) -> int:
+        """GA indices per window: GBS / DP."""
+        return self.global_batch_size // self.data_parallel_size
+
+    # ---------------------------------------------------------------- windows
+    def window_indices(self, window: int) -> np.ndarray:
+        """Dataset indices of ``window`` in sampler (pre-VRSP) order, int64 (GBS,)."""
+        gbs = self.global_batch_size
+        if self.dataloader_type == "single":
+            if not 0 <= window < self.windows_per_epoch:
+                raise IndexError(f"window {window} outside [0, {self.windows_per_epoch})")
+            return np.arange(window * gbs, (window + 1) * gbs, dtype=np.int64)
+        epoch, local = divmod(window, self.windows_per_epoch)
+        return self._epoch_permutation(epoch)[local * gbs : (local + 1) * gbs]
+
+    def _epoch_permutation(self, epoch: int) -> np.ndarray:
+        if self._epoch_cache[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.total_samples).astype(np.int64)
+            self._epoch_cache = (epoch, perm)
+        return self._epoch_cache[1]
+
+    def plan_window(self, window: int) -> WindowPlan:
+        """VRSP for one window: segments of its GBS samples, Eq. 4 workloads, ``place_sequences`` order."""
+        indices = self.window_indices(window)
+        segments = [np.asarray(self.segments_fn(self.dataset, int(i)), dtype=np.int64) for i in indices]
+        order = place_sequences(sequence_flops(segments), self.pool_size, self.sequence_placement)
+        return WindowPlan(window, indices[order], tuple(segments[i] for i in order))
+
+    def keys_for_window(self, plan: WindowPlan, first_ga: int = 0) -> List[LibraSampleKey]:
+        """This rank's keys for GA indices ``first_ga ..`` of a planned window."""
+        dp, pool, rank = self.data_parallel_size, self.pool_size, self.data_parallel_rank
+        keys = []
+        for ga in range(first_ga, self.num_ga):
+            n = ga * dp + rank
+            start = (n // pool) * pool
+            rows = tuple(tuple(int(x) for x in plan.segments[m]) for m in range(start, start + pool))
+            keys.append(LibraSampleKey(int(plan.sample_indices[n]), rows, n % pool, plan.window, ga))
+        return keys
+
+    # ---------------------------------------------------------------- iteration
+    def _start(self) -> Tuple[int, int]:
+        """(window, GA index) of the first unconsumed microbatch."""
+        window, within = divmod(self.consumed_samples, self.global_batch_size)
+        return window, within // self.data_parallel_size
+
+    def _last_window(self, first_window: int) -> int:
+        if self.dataloader_type == "single":
+            return self.windows_per_epoch
+        epoch = first_window // self.windows_per_epoch
+        return (epoch + 1) * self.windows_per_epoch
+
+    def __iter__(self) -> Iterator[List[LibraSampleKey]]:
+        window, ga = self._start()
+        for v in range(window, self._last_window(window)):
+            for key in self.keys_for_window(self.plan_window(v), ga if v == window else 0):
+                if self.dataloader_type == "cyclic":
+                    self.consumed_samples += self.data_parallel_size
+                yield [key]
+
+
+def _check_sampler_args(total, consumed, mbs, gbs, dp_rank, dp, pool, loader) -> None:
+    if mbs != 1:
+        raise ValueError(f"Libra requires --micro-batch-size 1 (one packed sequence per microbatch), got {mbs}")
+    if loader not in _LOADER_TYPES:
+        raise ValueError(f"--dataloader-type {loader!r}: the Libra sampler supports {_LOADER_TYPES}")
+    if dp < 1 or not 0 <= dp_rank < dp:
+        raise ValueError(f"data-parallel rank {dp_rank} must lie in [0, DP={dp})")
+    if dp % pool:
+        raise ValueError(f"--libra-pool-size {pool} must divide the data-parallel size {dp} ({dp} % {pool} = {dp % pool})")
+    if gbs % dp:
+        raise ValueError(f"--global-batch-size {gbs} must be divisible by DP*mbs = {dp}*1 ({gbs} % {dp} = {gbs % dp})")
+    if total < gbs:
+        raise ValueError(f"the dataset has {total} samples, fewer than one window of --global-batch-size {gbs}")
+    if consumed < 0 or consumed % dp:
+        raise ValueError(
+            f"consumed_samples {consumed} must be a non-negative multiple of DP*mbs = {dp} "
+            f"({consumed} % {dp} = {consumed % dp})"
+        )
+    if loader == "single" and consumed >= (total // gbs) * gbs:
+        raise ValueError(f"no samples left: consumed_samples {consumed} >= {total // gbs} windows * GBS {gbs}")
+
+
+# -------------------------------------------------------------------------------------- dataset wrapper
+def encode_pool_segments(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """int64 ``[P, max_segs]``: row p holds sequence p's segment lengths, right-padded with -1."""
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for p, row in enumerate(rows):
+        out[p, : len(row)] = torch.as_tensor(list(row), dtype=torch.int64)
+    return out
+
+
+def decode_pool_segments(encoded) -> List[np.ndarray]:
+    """Inverse of ``encode_pool_segments``; accepts a leading batch dim of 1 (DataLoader collation)."""
+    raw = np.asarray(encoded.cpu().numpy() if hasattr(encoded, "cpu") else encoded, dtype=np.int64)
+    while raw.ndim > 2:
+        assert raw.shape[0] == 1, f"libra_pool_segments must have a batch dim of 1 (mbs=1), got {raw.shape}"
+        raw = raw[0]
+    return [row[row >= 0] for row in raw]
+
+
+class LibraPoolDataset(torch.utils.data.Dataset):
+    """Wraps a GPTDataset/BlendedDataset; ``self[key]`` = ``dataset[key.sample_index]`` plus pool metadata.
+
+    Added keys: ``libra_pool_segments`` int64 ``[P, max_segs]`` padded with -1 (``encode_pool_segments``;
+    collated to ``[1, P, max_segs]``), ``libra_pool_position`` / ``libra_window`` / ``libra_ga_index`` /
+    ``libra_sample_index``: 0-d int64 tensors (collated to shape ``[1]``).
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: LibraSampleKey) -> dict:
+        sample = dict(self.dataset[key.sample_index])
+        sample["libra_pool_segments"] = encode_pool_segments(key.pool_segments)
+        for name, value in (("libra_pool_position", key.pool_position), ("libra_window", key.window),
+                            ("libra_ga_index", key.ga_index), ("libra_sample_index", key.sample_index)):
+            sample[name] = torch.tensor(value, dtype=torch.int64)
+        return sample
+
+
+def build_libra_data_loader(dataset: Any, consumed_samples: int, args: Any, *, config=None,
+                            data_parallel_rank: Optional[int] = None, data_parallel_size: Optional[int] = None,
+                            segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments):
+    """Drop-in for Megatron's ``build_pretraining_data_loader(dataset, consumed_samples)``.
+
+    ``args``: Megatron args (micro_batch_size, global_batch_size, dataloader_type, seed, num_workers and
+    the ``--libra-*`` flags; ``config`` overrides the flags). DP rank/size default to ``parallel_state``.
+    Returns None for a None dataset.
+    """
+    if dataset is None:
+        return None
+    if config is None:
+        from .args import libra_config_from_args
+
+        config = libra_config_from_args(args)
+    if data_parallel_rank is None or data_parallel_size is None:
+        from megatron.core import parallel_state
+
+        data_parallel_rank = parallel_state.get_data_parallel_rank()
+        data_parallel_size = parallel_state.get_data_parallel_world_size()
+    sampler = LibraGlobalBatchSampler(
+        dataset, len(dataset), consumed_samples, args.micro_batch_size, args.global_batch_size,
+        data_parallel_rank, data_parallel_size, config.pool_size, config.sequence_placement,
+        getattr(args, "dataloader_type", None) or "single", getattr(args, "seed", 1234), segments_fn,
+    )
+    workers = int(getattr(args, "num_workers", 0) or 0)
+    return torch.utils.data.DataLoader(
+        LibraPoolDataset(dataset), batch_sampler=sampler, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+    )

@@ -1,0 +1,182 @@
+"""VRSP global-batch sampler over real GPTDatasets: window multisets, cross-rank agreement, exact resume."""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra_megatron.config import LibraConfig, SequencePlacement
+from libra_megatron.megatron.sampler import (
+    LibraGlobalBatchSampler,
+    build_libra_data_loader,
+    decode_pool_segments,
+    encode_pool_segments,
+)
+from libra_megatron.megatron.segments import gpt_sample_segments, scan_eod_segments
+
+from conftest import TRACE_EOD
+
+DP, POOL, GBS = 4, 2, 8
+
+
+def _sampler(dataset, rank, consumed=0, total=None, placement=SequencePlacement.REFINED, loader="single",
+             dp=DP, pool=POOL, gbs=GBS):
+    total = len(dataset) if total is None else total
+    return LibraGlobalBatchSampler(dataset, total, consumed, 1, gbs, rank, dp, pool, placement, loader, seed=3)
+
+
+def _all_ranks(dataset, **kw):
+    return [[batch[0] for batch in _sampler(dataset, r, **kw)] for r in range(kw.get("dp", DP))]
+
+
+def _pool_load_ratio(keys_by_rank, pool):
+    """Mean over windows of max/mean pool load (Eq. 4: sum of squared segment lengths) from yielded metadata."""
+    loads = defaultdict(dict)
+    for rank, keys in enumerate(keys_by_rank):
+        for key in keys:
+            loads[key.window][(key.ga_index, rank // pool)] = sum(
+                float(np.dot(row, row)) for row in map(np.asarray, key.pool_segments))
+    return float(np.mean([max(v.values()) / np.mean(list(v.values())) for v in loads.values()]))
+
+
+@pytest.fixture(scope="module")
+def refined_run(trace_gpt_dataset):
+    return _all_ranks(trace_gpt_dataset)
+
+
+def test_every_window_is_its_gbs_indices_each_once_across_ranks(refined_run, trace_gpt_dataset):
+    num_windows = len(trace_gpt_dataset) // GBS
+    assert num_windows >= 2000
+    by_window = defaultdict(list)
+    for keys in refined_run:
+        assert len(keys) == num_windows * GBS // DP
+        for key in keys:
+            by_window[key.window].append(key.sample_index)
+    assert sorted(by_window) == list(range(num_windows))
+    for v, indices in by_window.items():
+        assert sorted(indices) == list(range(v * GBS, (v + 1) * GBS))
+
+
+def test_pool_metadata_identical_on_every_rank_of_a_pool(refined_run, trace_gpt_dataset):
+    rows = {}
+    for rank, keys in enumerate(refined_run):
+        for key in keys:
+            assert key.pool_position == rank % POOL and len(key.pool_segments) == POOL
+            rows.setdefault((key.window, key.ga_index, rank // POOL), {})[key.pool_position] = key
+    assert len(rows) == (len(trace_gpt_dataset) // GBS) * (GBS // DP) * (DP // POOL)
+    for members in rows.values():
+        assert sorted(members) == list(range(POOL))
+        first = members[0].pool_segments
+        for p, key in members.items():
+            assert key.pool_segments == first
+            assert list(first[p]) == gpt_sample_segments(trace_gpt_dataset, key.sample_index).tolist()
+
+
+def test_pool_segments_match_eod_scan_of_the_loaded_tokens(refined_run, trace_gpt_dataset):
+    for key in refined_run[1][::97]:
+        tokens = trace_gpt_dataset[key.sample_index]["tokens"].numpy()
+        assert list(key.pool_segments[key.pool_position]) == scan_eod_segments(tokens, TRACE_EOD).tolist()
+
+
+def test_vrsp_lowers_pool_imbalance_versus_contiguous(refined_run, trace_gpt_dataset):
+    total = 800 * GBS
+    contiguous = _all_ranks(trace_gpt_dataset, total=total, placement=SequencePlacement.CONTIGUOUS)
+    refined = [[k for k in keys if k.window < 800] for keys in refined_run]
+    def window_multisets(run):
+        return sorted((k.window, k.sample_index) for keys in run for k in keys)
+
+    assert window_multisets(contiguous) == window_multisets(refined)  # same steps, different grouping
+    assert _pool_load_ratio(refined, POOL) < _pool_load_ratio(contiguous, POOL)
+
+
+@pytest.fixture(scope="module")
+def short_single_run(trace_gpt_dataset):
+    return _all_ranks(trace_gpt_dataset, total=50 * GBS + 5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(steps=st.integers(0, 50 * GBS // DP - 1), rank=st.integers(0, DP - 1))
+def test_single_resume_yields_exact_suffix(short_single_run, trace_gpt_dataset, steps, rank):
+    resumed = [b[0] for b in _sampler(trace_gpt_dataset, rank, consumed=steps * DP, total=50 * GBS + 5)]
+    assert resumed == short_single_run[rank][steps:]
+
+
+def _cyclic_run(dataset, rank, consumed, total, epochs_until):
+    sampler = _sampler(dataset, rank, consumed=consumed, total=total, loader="cyclic")
+    out = []
+    while sampler.consumed_samples < epochs_until:
+        out.extend(b[0] for b in sampler)
+    return out, sampler.consumed_samples
+
+
+CYCLIC_TOTAL = 101  # 12 windows of 8 per epoch, 5 samples dropped per epoch
+
+
+def test_cyclic_epochs_are_permutations_and_windows_partition_across_ranks(trace_gpt_dataset):
+    per_rank = [_cyclic_run(trace_gpt_dataset, r, 0, CYCLIC_TOTAL, 3 * 96) for r in range(DP)]
+    assert all(consumed == 3 * 96 for _, consumed in per_rank)
+    by_window = defaultdict(list)
+    for keys, _ in per_rank:
+        for key in keys:
+            by_window[key.window].append(key.sample_index)
+    assert sorted(by_window) == list(range(36))
+    for epoch in range(3):  # the documented epoch permutation, cut into 12 windows of GBS
+        perm = np.random.default_rng([3, epoch]).permutation(CYCLIC_TOTAL)
+        seen = []
+        for w in range(12):
+            window = by_window[epoch * 12 + w]
+            assert sorted(window) == sorted(perm[w * GBS:(w + 1) * GBS].tolist())
+            seen.extend(window)
+        assert len(set(seen)) == 96
+    assert sorted(by_window[0]) != sorted(by_window[12])  # epochs reshuffle
+
+
+@settings(max_examples=8, deadline=None)
+@given(steps=st.integers(0, 3 * 96 // DP - 1), rank=st.integers(0, DP - 1))
+def test_cyclic_resume_yields_exact_suffix(trace_gpt_dataset, steps, rank):
+    full, _ = _cyclic_run(trace_gpt_dataset, rank, 0, CYCLIC_TOTAL, 3 * 96)
+    resumed, _ = _cyclic_run(trace_gpt_dataset, rank, steps * DP, CYCLIC_TOTAL, 3 * 96)
+    assert resumed == full[steps:]
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [(dict(mbs=2), "--micro-batch-size 1"), (dict(gbs=10), "--global-batch-size 10 must be divisible by DP*mbs = 4*1"),
+     (dict(pool=3), "--libra-pool-size 3 must divide the data-parallel size 4 (4 % 3 = 1)"),
+     (dict(consumed=6), "consumed_samples 6 must be a non-negative multiple of DP*mbs = 4 (6 % 4 = 2)"),
+     (dict(loader="external"), "--dataloader-type 'external'")],
+)
+def test_sampler_rejects_bad_arguments_naming_the_flag(trace_gpt_dataset, kwargs, needle):
+    args = dict(mbs=1, gbs=GBS, pool=POOL, consumed=0, loader="single") | kwargs
+    with pytest.raises(ValueError) as err:
+        LibraGlobalBatchSampler(trace_gpt_dataset, 1000, args["consumed"], args["mbs"], args["gbs"], 0, DP,
+                                args["pool"], dataloader_type=args["loader"])
+    assert needle in str(err.value)
+
+
+def test_pool_segments_encoding_round_trips():
+    rows = [(5, 3), (8,), (1, 1, 6)]
+    encoded = encode_pool_segments(rows)
+    assert encoded.tolist() == [[5, 3, -1], [8, -1, -1], [1, 1, 6]]
+    assert [r.tolist() for r in decode_pool_segments(encoded[None])] == [list(r) for r in rows]
+
+
+def test_data_loader_yields_dataset_samples_with_pool_metadata(trace_gpt_dataset):
+    args = argparse.Namespace(micro_batch_size=1, global_batch_size=GBS, dataloader_type="single", seed=3,
+                              num_workers=0)
+    config = LibraConfig(pool_size=POOL)
+    loader = build_libra_data_loader(trace_gpt_dataset, 2 * GBS, args, config=config, data_parallel_rank=3,
+                                     data_parallel_size=DP)
+    keys = [b[0] for b in _sampler(trace_gpt_dataset, 3, consumed=2 * GBS, total=len(trace_gpt_dataset))][:5]
+    for batch, key in zip(loader, keys):
+        expected = trace_gpt_dataset[key.sample_index]
+        assert batch["tokens"].shape == (1, expected["tokens"].numel())
+        assert batch["tokens"][0].tolist() == expected["tokens"].tolist()
+        assert [r.tolist() for r in decode_pool_segments(batch["libra_pool_segments"])] == [
+            list(r) for r in key.pool_segments]
+        assert batch["libra_pool_position"].tolist() == [3 % POOL] and batch["libra_window"].tolist() == [key.window]
+        assert batch["libra_ga_index"].tolist() == [key.ga_index]
