@@ -1,0 +1,125 @@
+"""Per-step Libra metrics: imbalance before/after each level of balancing, bytes moved, planner latency.
+
+All functions return flat ``{name: float}`` dicts (names are TensorBoard tags under ``libra/``).
+Units: imbalance is ``R - 1 = max/mean - 1`` (§3.2) of attention workload proxies -- Eq. 4
+``F_i = sum_j l_ij^2`` per packed sequence for the inter-pool level, Eq. 6 causal pairs per tile for the
+intra-pool level. Bytes are per transformer layer, forward, remote only (Eq. 8 volumes).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, Optional, Sequence
+
+import numpy as np
+
+from ..plan.placement import worker_loads
+from ..plan.sequences import pool_loads
+from ..plan.workload import imbalance, sequence_flops
+
+__all__ = ["inter_pool_metrics", "pool_plan_metrics", "aggregate_pool_metrics", "step_metrics", "write_metrics",
+           "format_metrics"]
+
+logger = logging.getLogger(__name__)
+
+
+def inter_pool_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int) -> Dict[str, float]:
+    """Inter-pool R-1 of one optimizer-step window, sampler order (before) vs VRSP order (after).
+
+    window_segments[i]: raw-sample lengths of the i-th packed sequence in *sampler* order (GBS entries).
+    order: the VRSP permutation (pool k = order[k*P:(k+1)*P]).
+    """
+    flops = sequence_flops(window_segments)
+    contiguous = np.arange(flops.size, dtype=np.int64)
+    return {
+        "inter_pool_r1_before": imbalance(pool_loads(flops, contiguous, pool_size)),
+        "inter_pool_r1_after": imbalance(pool_loads(flops, np.asarray(order, dtype=np.int64), pool_size)),
+    }
+
+
+def pool_plan_metrics(pool_plan: Any, planner_latency_s: Optional[float] = None) -> Dict[str, float]:
+    """Intra-pool worker balance of one ``PoolPlan``: max/mean at the Q-homes (no TAP) vs as placed."""
+    tiles, placement, exchange = pool_plan.tiles, pool_plan.placement, pool_plan.exchange
+    home = worker_loads(tiles, tiles.tile_home())
+    placed = worker_loads(tiles, np.asarray(placement.assignment))
+    out = {
+        "intra_pool_max_over_mean_home": _max_over_mean(home),
+        "intra_pool_max_over_mean_placed": _max_over_mean(placed),
+        "bytes_q": float(exchange.bytes_q),
+        "bytes_kv": float(exchange.bytes_kv),
+        "bytes_o": float(exchange.bytes_o),
+        "plan_seconds": float(pool_plan.seconds),
+    }
+    if planner_latency_s is not None:
+        out["planner_latency_s"] = float(planner_latency_s)
+    return out
+
+
+def _max_over_mean(loads: np.ndarray) -> float:
+    mean = float(np.mean(loads)) if loads.size else 0.0
+    return float(np.max(loads)) / mean if mean > 0 else 1.0
+
+
+def aggregate_pool_metrics(per_pool: Iterable[Dict[str, float]]) -> Dict[str, float]:
+    """Combine the pool metrics of one step: worst max/mean, summed bytes, mean and max planner latency."""
+    rows = list(per_pool)
+    if not rows:
+        return {}
+    out = {
+        "intra_pool_max_over_mean_home": max(r["intra_pool_max_over_mean_home"] for r in rows),
+        "intra_pool_max_over_mean_placed": max(r["intra_pool_max_over_mean_placed"] for r in rows),
+    }
+    for key in ("bytes_q", "bytes_kv", "bytes_o"):
+        out[key] = float(sum(r[key] for r in rows))
+    lat = [r["planner_latency_s"] for r in rows if "planner_latency_s" in r]
+    if lat:
+        out["planner_latency_mean_s"] = float(np.mean(lat))
+        out["planner_latency_max_s"] = float(np.max(lat))
+    return out
+
+
+def step_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int,
+                 pool_plans: Iterable[Any] = (), latencies: Iterable[float] = ()) -> Dict[str, float]:
+    """All metrics of one step: inter-pool (window) + aggregated intra-pool (the given pool plans)."""
+    out = inter_pool_metrics(window_segments, order, pool_size)
+    lat = list(latencies)
+    rows = [pool_plan_metrics(p, lat[i] if i < len(lat) else None) for i, p in enumerate(pool_plans)]
+    out.update(aggregate_pool_metrics(rows))
+    return out
+
+
+def write_metrics(values: Dict[str, float], iteration: int, writer: Any = None, prefix: str = "libra/",
+                  log: bool = False) -> int:
+    """Write scalars to a TensorBoard-style ``writer`` (``add_scalar``); returns how many were written.
+
+    ``writer=None`` looks up Megatron-LM's ``megatron.training.get_tensorboard_writer()`` when that package
+    is importable; with no writer this is a no-op (returns 0). ``log=True`` also emits one
+    ``format_metrics`` line on this module's logger (INFO), e.g. next to Megatron's iteration log.
+    """
+    if log and values:
+        logger.info("libra iteration %d: %s", iteration, format_metrics(values))
+    if writer is None:
+        writer = _megatron_writer()
+    if writer is None:
+        return 0
+    for name, value in values.items():
+        writer.add_scalar(prefix + name, float(value), iteration)
+    return len(values)
+
+
+def _megatron_writer():
+    try:
+        from megatron.training import get_tensorboard_writer
+    except Exception:  # noqa: BLE001 - Megatron-LM training code is optional (not on PyPI)
+        return None
+    try:
+        return get_tensorboard_writer()
+    except Exception:  # noqa: BLE001 - global vars not initialised outside a Megatron-LM run
+        return None
+
+
+def format_metrics(values: Dict[str, float]) -> str:
+    """One log line: ``name=value`` pairs, bytes as integers, the rest with 4 significant digits."""
+    parts = []
+    for name, value in values.items():
+        parts.append(f"{name}={int(value)}" if name.startswith("bytes") else f"{name}={value:.4g}")
+    return " ".join(parts)

@@ -1,0 +1,275 @@
+"""Planning off the critical path (§4.1, Fig. 6): a background CPU thread plans the next pools.
+
+Design choice: *every rank plans deterministically from the same metadata*. The sampler hands each rank
+the segment lengths of all P packed sequences of its pool (``libra_pool_segments``); ``plan_pool`` is a
+pure function of (segments, LibraConfig, TokenLayout, HeadLayout), so the P*CP ranks of a pool compute
+byte-identical plans with no broadcast. Agreement is verified by fingerprint: ``libra_attn_func`` checks
+the ranks' plan fingerprints before its first collective, and ``check_plan_fingerprints`` does the same
+explicitly (one small all_gather) for callers that want it outside the attention op. Compared with a
+coordinator broadcasting a codec-encoded plan, this costs P*CP-fold redundant CPU work (a few ms per pool
+at our sizes, on an otherwise idle core) but needs no extra collective on the step's critical path.
+
+Usage (one ``BackgroundPlanner`` per training process)::
+
+    planner = BackgroundPlanner(config, layout, heads)
+    planner.submit(pool_segments)              # as soon as the sampler knows the microbatch (look-ahead)
+    plan = planner.get(pool_segments, position=p, cp_rank=c)   # RankPlan of worker p*CP + c
+    planner.close()
+
+Keys are content hashes of the pool's segments, so ``get`` without a prior ``submit`` also works (it
+plans then waits). A failure inside the thread is stored and re-raised by the ``get`` of that key as a
+``PlannerError`` carrying the original traceback; ``get`` never blocks longer than ``timeout_s``.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from ..config import LibraConfig
+from ..plan.errors import PlanError
+from ..plan.layout import HeadLayout, TokenLayout
+
+__all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "check_plan_fingerprints",
+           "build_planner_from_args"]
+
+PlanFn = Callable[..., Any]  # plan_pool(seq_segments, config, layout, heads, validate=...) -> PoolPlan
+
+
+class PlannerError(RuntimeError):
+    """The background planner failed (or timed out) for a pool; raised in the training thread by ``get``."""
+
+
+@dataclass(frozen=True, eq=False)
+class PlannedPool:
+    """A finished plan: the ``PoolPlan`` and how long the thread took (seconds, wall clock)."""
+
+    key: str
+    segments: tuple
+    pool_plan: Any
+    latency_s: float
+    queued_s: float  # time between submit and the start of planning
+
+
+def pool_key(pool_segments: Sequence[Sequence[int]]) -> str:
+    """Content hash of a pool's segment lengths (order matters: position p is worker p's sequence)."""
+    h = hashlib.blake2b(digest_size=16)
+    for seg in pool_segments:
+        arr = np.ascontiguousarray(np.asarray(seg, dtype=np.int64).reshape(-1))
+        h.update(np.int64(arr.size).tobytes())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def _default_plan_fn(*args, **kwargs):
+    from ..plan.pool import plan_pool
+
+    return plan_pool(*args, **kwargs)
+
+
+class _Slot:
+    """State of one key: done event, result or (exception, traceback text)."""
+
+    def __init__(self, segments: tuple):
+        self.segments = segments
+        self.submitted = time.perf_counter()
+        self.done = threading.Event()
+        self.result: Optional[PlannedPool] = None
+        self.error: Optional[BaseException] = None
+        self.error_text = ""
+
+
+class BackgroundPlanner:
+    """One daemon thread that turns pool metadata into ``PoolPlan``s ahead of use.
+
+    config/layout/heads: the run's LibraConfig, per-sequence TokenLayout (L, CP) and HeadLayout.
+    capacity: finished plans kept (oldest evicted first); pending ones are never evicted.
+    timeout_s: the longest ``get`` waits before raising ``PlannerError``.
+    validate: run ``validate_plan`` on every plan (all ranks' invariants; costs O(units)).
+    worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan index arrays are then
+        built in the thread too (otherwise on first ``get``).
+    """
+
+    def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
+                 plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
+                 validate: bool = False, worker: Optional[int] = None):
+        self.config, self.layout, self.heads = config, layout, heads
+        self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
+        self._plan_fn = plan_fn or _default_plan_fn
+        self._capacity, self._timeout_s, self._validate = int(capacity), float(timeout_s), bool(validate)
+        self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
+        self._latencies: list = []
+        self._last: Optional[PlannedPool] = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="libra-planner", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producer side
+    def submit(self, pool_segments: Sequence[Sequence[int]]) -> str:
+        """Queue a pool for planning (no-op if already known). Returns its key."""
+        segments = tuple(tuple(int(x) for x in np.asarray(s).reshape(-1)) for s in pool_segments)
+        key = pool_key(segments)
+        with self._lock:
+            if self._closed:
+                raise PlannerError("submit() on a closed BackgroundPlanner")
+            if key in self._slots:
+                self._slots.move_to_end(key)
+                return key
+            self._slots[key] = _Slot(segments)
+            self._evict_locked()
+        self._queue.put(key)
+        return key
+
+    def submit_many(self, pools: Sequence[Sequence[Sequence[int]]]) -> list:
+        return [self.submit(p) for p in pools]
+
+    # ------------------------------------------------------------------ consumer side
+    def get_pool(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
+        """The finished plan of a pool (submitting it first if needed). Raises PlannerError on failure."""
+        key = self.submit(pool_segments)
+        with self._lock:
+            slot = self._slots[key]
+        wait = self._timeout_s if timeout is None else float(timeout)
+        if not slot.done.wait(wait):
+            alive = "alive" if self._thread.is_alive() else "DEAD"
+            raise PlannerError(f"planner did not finish pool {key} within {wait:.1f}s (thread {alive})")
+        if slot.error is not None:
+            raise PlannerError(
+                f"background planner failed for pool {key} (segments per sequence: "
+                f"{[len(s) for s in slot.segments]}): {type(slot.error).__name__}: {slot.error}\n"
+                f"--- planner thread traceback ---\n{slot.error_text}"
+            ) from slot.error
+        return slot.result
+
+    def get(self, pool_segments: Sequence[Sequence[int]], *, position: int, cp_rank: int,
+            timeout: Optional[float] = None):
+        """``RankPlan`` of pool worker ``position*CP + cp_rank`` for this pool."""
+        planned = self.get_pool(pool_segments, timeout)
+        return planned.pool_plan.exchange.for_rank(int(position) * self.layout.cp + int(cp_rank))
+
+    def warm_up(self) -> float:
+        """Plan one throw-away pool now (pays imports and first-call costs off the training path).
+
+        Its sequences are ``[L-1, 1]`` each, a shape real batches rarely repeat, so its (cold) latency
+        does not stand in for a cached real plan. Returns the seconds it took.
+        """
+        start = time.perf_counter()
+        L = self.layout.seq_len
+        self.get_pool([[L - 1, 1] if L > 1 else [L]] * self.config.pool_size)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ metrics / lifecycle
+    def latencies(self) -> list:
+        """Planner latencies (seconds) of every plan finished so far, in completion order."""
+        with self._lock:
+            return list(self._latencies)
+
+    def latest(self) -> Optional[PlannedPool]:
+        with self._lock:
+            return self._last
+
+    def latest_metrics(self) -> Dict[str, float]:
+        """Metrics of the most recently finished pool plan (see ``metrics.pool_plan_metrics``)."""
+        from .metrics import pool_plan_metrics
+
+        last = self.latest()
+        return {} if last is None else pool_plan_metrics(last.pool_plan, planner_latency_s=last.latency_s)
+
+    def close(self) -> None:
+        """Stop the thread after the plan in progress; pending gets raise PlannerError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "BackgroundPlanner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ thread body
+    def _run(self) -> None:
+        while True:
+            key = self._queue.get()
+            if key is None:
+                break
+            with self._lock:
+                slot = self._slots.get(key)
+            if slot is None or slot.done.is_set():
+                continue
+            self._plan_one(key, slot)
+        self._fail_pending("the planner was closed before planning this pool")
+
+    def _plan_one(self, key: str, slot: _Slot) -> None:
+        start = time.perf_counter()
+        try:
+            plan = self._plan_fn([list(s) for s in slot.segments], self.config, self.layout, self.heads,
+                                 validate=self._validate)
+            if self._worker is not None:
+                plan.exchange.for_rank(self._worker)
+            latency = time.perf_counter() - start
+            slot.result = PlannedPool(key, slot.segments, plan, latency, start - slot.submitted)
+            with self._lock:
+                self._latencies.append(latency)
+                self._last = slot.result
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread by get()
+            slot.error, slot.error_text = exc, traceback.format_exc()
+        finally:
+            slot.done.set()
+
+    def _fail_pending(self, why: str) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                if not slot.done.is_set():
+                    slot.error = PlannerError(why)
+                    slot.done.set()
+
+    def _evict_locked(self) -> None:
+        finished = [k for k, s in self._slots.items() if s.done.is_set()]
+        for key in finished[: max(0, len(self._slots) - self._capacity)]:
+            del self._slots[key]
+
+
+def check_plan_fingerprints(fingerprint: str, group) -> None:
+    """All-gather the 128-bit plan fingerprint over ``group``; PlanError on every rank if any differ.
+
+    Every rank raises (not only the odd one out), so no rank is left waiting in a later collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    words = np.frombuffer(bytes.fromhex(fingerprint.ljust(32, "0")[:32]), dtype=np.int64).copy()
+    mine = torch.from_numpy(words)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if differing:
+        raise PlanError(
+            f"plan fingerprints differ across the pool group: ranks {differing} disagree with rank 0 "
+            "(the ranks planned from different metadata or configs)"
+        )
+
+
+def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
+    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``."""
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    hq = args.num_attention_heads // tp
+    hkv = (args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads)
+    kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    elem_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    layout = TokenLayout(config.token_layout, args.seq_length, cp)
+    heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
+    return BackgroundPlanner(config, layout, heads)
