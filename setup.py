@@ -5,7 +5,7 @@ setup(
     name="libra_megatron",
     version="0.1.0",
     description="Attention-workload balancing for long-context Megatron-LM training (Libra: VRSP + TAP).",
-    packages=find_packages(include=["libra_megatron", "libra_megatron.*"]),
+    packages=find_packages(include=["libra_megatron", "libra_megatron.*", "patches"]),
     python_requires=">=3.10",
     install_requires=[
         "numpy>=1.24",

@@ -1,0 +1,340 @@
+"""The Libra side of the Megatron-LM patch points: what each patched function does instead.
+
+``patches/`` (top level of the repository) verifies and replaces Megatron-LM functions; every wrapper
+calls back into one ``LibraHooks`` object, so all Libra behaviour of a launched run lives here and the
+per-run state (the validated ``LibraConfig``, the planner) is held by that object, never in module
+globals:
+
+=============================  =================================================================
+callback                       called from
+=============================  =================================================================
+``add_args(parser)``           ``parse_args`` (chained after the program's extra_args_provider)
+``on_model_parallel_ready()``  right after ``parallel_state.initialize_model_parallel``
+``on_model_parallel_destroyed``just before ``parallel_state.destroy_model_parallel``
+``build_data_loader(ds, n)``   ``build_pretraining_data_loader`` (data_samplers and training)
+``make_get_batch(original)``   when ``pretrain(...)`` receives the program's ``forward_step``
+``after_training_log(it)``     after Megatron's ``training_log`` of iteration ``it``
+=============================  =================================================================
+
+Megatron-LM's training package (``megatron.training``) is imported lazily inside the callbacks: it is not
+on PyPI and is only importable once ``libra_megatron.launch`` has put ``MEGATRON_LM_PATH`` on sys.path.
+
+Batch shapes (mbs = 1, L = --seq-length, CP = context-parallel size, t = L/CP local tokens):
+    tokens, labels, position_ids: (1, t) int64; loss_mask: (1, t) float32; cu_seqlens: (num_docs+1,) int32
+    libra_pool_segments: the P packed sequences' document lengths of this rank's pool (sampler format).
+
+Carrier. megatron-core applies RoPE before core attention, from ``packed_seq_params``: with
+``--reset-position-ids`` the batch is THD (positions restart in every document; CP = 1 only), otherwise
+sbhd with the whole sequence's cu_seqlens (positions run over the packed sequence, Megatron-LM's default,
+sliced zigzag for CP > 1). RoPE scores depend only on q-k position differences and attention never crosses
+a document, so both give the same result up to rounding (a test checks it). ``LibraCoreAttention`` reads
+cu_seqlens and the plan from the same carrier.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable, List, Optional, Sequence
+
+import numpy as np
+
+from ..config import LibraConfig, TokenLayoutKind
+
+__all__ = ["LibraHooks", "check_supported_layout", "carrier_format"]
+
+logger = logging.getLogger(__name__)
+
+GetBatch = Callable[..., tuple]
+_SAMPLE_KEYS = ("tokens", "labels", "loss_mask")
+
+
+def check_supported_layout(args: argparse.Namespace, config: Optional[LibraConfig] = None) -> None:
+    """Reject Megatron settings the Libra path does not implement, naming the flag (ValueError)."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if pp > 2:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp}: the Libra batch path needs the step's plan on every "
+            f"stage, and Megatron-LM builds data iterators only on the first and last stage (PP <= 2)"
+        )
+    loader = getattr(args, "dataloader_type", "single")
+    if loader not in ("single", "cyclic"):
+        raise ValueError(
+            f"--dataloader-type {loader}: Libra replaces Megatron's 'single'/'cyclic' samplers with its "
+            f"VRSP global-batch sampler; an '{loader}' loader bypasses it"
+        )
+    if getattr(args, "hybrid_context_parallel", False):
+        raise ValueError("--hybrid-context-parallel cannot be combined with Libra sequence pools")
+    if config is not None:
+        _check_rope_layout(args, config)
+
+
+def _check_rope_layout(args: argparse.Namespace, config: LibraConfig) -> None:
+    """RoPE is applied by megatron-core before core attention; only two position schemes match Libra's layout.
+
+    --reset-position-ids (positions restart in every document) needs the THD carrier, whose RoPE
+    megatron-core 0.16 splits per document under its own CP layout: exact only at CP = 1. Without it
+    (Megatron's default: positions run over the whole packed sequence) the sbhd carrier is used and
+    megatron-core slices the positions zigzag (2*CP chunks), which is Libra's layout only when zigzag.
+    """
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp == 1:
+        return
+    if getattr(args, "reset_position_ids", False):
+        raise ValueError(
+            f"--reset-position-ids with --context-parallel-size {cp}: megatron-core 0.16 applies per-document "
+            f"(THD) RoPE under its own per-document CP split, not Libra's token layout; drop "
+            f"--reset-position-ids (positions then run over the packed sequence) or use CP=1"
+        )
+    if config.token_layout is not TokenLayoutKind.ZIGZAG:
+        raise ValueError(
+            f"--libra-token-layout {config.token_layout.value} with --context-parallel-size {cp}: megatron-core "
+            f"slices RoPE positions zigzag (2*CP chunks); use --libra-token-layout zigzag"
+        )
+
+
+def carrier_format(args: argparse.Namespace) -> str:
+    """qkv_format of the batch's LibraPackedSeqParams: 'thd' iff --reset-position-ids (see _check_rope_layout)."""
+    return "thd" if getattr(args, "reset_position_ids", False) else "sbhd"
+
+
+class LibraHooks:
+    """Callbacks for ``patches.install_all``; one instance per launched run."""
+
+    def __init__(self) -> None:
+        self.config: Optional[LibraConfig] = None
+        self.planner: Any = None
+        self.qkv_format = "sbhd"
+        self.train_sampler: Any = None  # the train loader's LibraGlobalBatchSampler (TP rank 0 only)
+
+    # ------------------------------------------------------------------ arguments
+    def add_args(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        from .args import add_libra_args
+
+        return add_libra_args(parser)
+
+    # ------------------------------------------------------------------ start-up / teardown
+    def on_model_parallel_ready(self) -> None:
+        """Validate and record the effective config, then create the pool groups (every rank, same order)."""
+        from megatron.training import get_args
+
+        from .args import libra_config_from_args, log_and_save_libra_config
+        from .groups import initialize_pool_groups
+
+        args = get_args()
+        check_supported_layout(args)
+        config = libra_config_from_args(args)
+        check_supported_layout(args, config)
+        log_and_save_libra_config(config, args, _run_dir(args))
+        self.qkv_format = carrier_format(args)
+        logger.info("Libra batches use the %s carrier (%s)", self.qkv_format,
+                    "RoPE positions restart per document" if self.qkv_format == "thd"
+                    else "RoPE positions run over the packed sequence")
+        initialize_pool_groups(config.pool_size, order=_rank_order(args))
+        self.config = config
+        self.planner = _start_planner(config, args)
+
+    def on_model_parallel_destroyed(self) -> None:
+        from .groups import destroy_pool_groups
+
+        if self.planner is not None and hasattr(self.planner, "close"):
+            self.planner.close()
+        self.planner = None
+        destroy_pool_groups()
+
+    # ------------------------------------------------------------------ data
+    def build_data_loader(self, dataset: Any, consumed_samples: int) -> Any:
+        """Megatron's ``build_pretraining_data_loader(dataset, consumed_samples)``, Libra sampler inside."""
+        if dataset is None:
+            return None
+        from megatron.training import get_args
+
+        from .sampler import build_libra_data_loader
+
+        loader = build_libra_data_loader(dataset, consumed_samples, get_args(), config=self.config)
+        if self.train_sampler is None:  # training.py builds the train loader first
+            self.train_sampler = loader.batch_sampler
+        return loader
+
+    def make_get_batch(self, original: GetBatch) -> GetBatch:
+        """The ``get_batch(data_iterator, vp_stage=None)`` that replaces the program's ``original``."""
+
+        def get_batch(data_iterator, vp_stage=None):
+            return self.get_batch(data_iterator, vp_stage)
+
+        get_batch.megatron_get_batch = original  # type: ignore[attr-defined]
+        return get_batch
+
+    def get_batch(self, data_iterator: Any, vp_stage: Optional[int] = None) -> tuple:
+        """Six values like pretrain_gpt's get_batch; packed_seq_params is a LibraPackedSeqParams with the plan."""
+        from megatron.core import parallel_state
+        from megatron.training.utils import is_first_or_last_pipeline_stage
+
+        if not is_first_or_last_pipeline_stage(vp_stage):
+            return None, None, None, None, None, None
+        sample = _read_sample_across_tp(data_iterator)
+        pool_segments, position = _pool_metadata(sample)
+        cp_size = parallel_state.get_context_parallel_world_size()
+        cp_rank = parallel_state.get_context_parallel_rank()
+        return self._assemble(sample, pool_segments, position, cp_size, cp_rank)
+
+    def _assemble(self, sample: dict, pool_segments: List[np.ndarray], position: int, cp_size: int,
+                  cp_rank: int) -> tuple:
+        from .batch import LibraPackedSeqParams, build_libra_batch
+
+        config = self._require_config()
+        batch = build_libra_batch(sample, pool_segments[position], cp_size, cp_rank, config.token_layout)
+        plan = _plan_for_rank(self.planner, pool_segments, position, cp_rank)
+        packed = _packed_seq_params(LibraPackedSeqParams, self.qkv_format, batch, plan, pool_segments, position)
+        # RoPE ignores position_ids in megatron-core; they are returned consistent with the carrier anyway.
+        positions = batch["position_ids"] if self.qkv_format == "thd" else batch["local_to_global"][None]
+        device = _device()
+        return (
+            batch["tokens"].to(device), batch["labels"].to(device), batch["loss_mask"].to(device), None,
+            positions.to(device), packed,
+        )
+
+    # ------------------------------------------------------------------ metrics
+    def after_training_log(self, iteration: int) -> None:
+        """Write this step's Libra scalars with Megatron's TensorBoard writer (a no-op on ranks without one).
+
+        Intra-pool balance, bytes and planner latency come from the last plan this rank used; inter-pool
+        R-1 before/after VRSP from the window just trained (``args.consumed_train_samples``), when this
+        rank holds the train sampler (TP rank 0 of the first/last stage).
+        """
+        from megatron.training import get_args, get_tensorboard_writer
+
+        from . import metrics
+
+        writer = get_tensorboard_writer()
+        if writer is None:
+            return
+        values = _planner_metrics(self.planner)
+        values.update(_window_metrics(self.train_sampler, get_args()))
+        if values:
+            metrics.write_metrics(values, iteration, writer=writer)
+
+    def _require_config(self) -> LibraConfig:
+        if self.config is None:
+            raise RuntimeError(
+                "Libra get_batch ran before initialize_model_parallel: the Libra hooks were installed after "
+                "Megatron initialised, so pool groups and the config are missing"
+            )
+        return self.config
+
+
+# ---------------------------------------------------------------------- helpers (module-private)
+def _rank_order(args: argparse.Namespace) -> str:
+    """The RankGenerator order initialize._initialize_distributed passes to initialize_model_parallel."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
+def _run_dir(args: argparse.Namespace) -> Optional[str]:
+    return getattr(args, "save", None) or getattr(args, "tensorboard_dir", None)
+
+
+def _device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _read_sample_across_tp(data_iterator: Any) -> dict:
+    """TP rank 0 reads the next sample; other TP ranks receive it (Megatron builds loaders on TP rank 0 only)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return next(data_iterator)
+    sample = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    return _broadcast_sample(sample, parallel_state.get_tensor_model_parallel_group(),
+                             parallel_state.get_tensor_model_parallel_src_rank())
+
+
+def _broadcast_sample(sample: Optional[dict], group: Any, src: int) -> dict:
+    """Broadcast tokens/labels/loss_mask and the pool metadata from ``src`` as int64/float32 tensors."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    keys = _SAMPLE_KEYS + ("libra_pool_segments", "libra_pool_position")
+    shapes = torch.zeros(len(keys), 4, dtype=torch.int64, device=device)
+    if sample is not None:
+        for i, key in enumerate(keys):
+            shape = tuple(torch.as_tensor(sample[key]).shape)
+            shapes[i, 0] = len(shape)
+            shapes[i, 1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    dist.broadcast(shapes, src, group=group)
+    out = {}
+    for i, key in enumerate(keys):
+        dtype = torch.float32 if key == "loss_mask" else torch.int64
+        shape = tuple(int(x) for x in shapes[i, 1:1 + int(shapes[i, 0])])
+        value = (torch.as_tensor(sample[key]).to(device=device, dtype=dtype).contiguous() if sample is not None
+                 else torch.empty(shape, dtype=dtype, device=device))
+        dist.broadcast(value, src, group=group)
+        out[key] = value.cpu()
+    return out
+
+
+def _pool_metadata(sample: dict) -> tuple:
+    """(segment lengths of each of the pool's P sequences, this rank's position p) from a collated sample.
+
+    The sampler pads ``libra_pool_segments`` to ``[P, max_segs]`` with -1 (a leading batch dim of 1 from the
+    DataLoader's collation is dropped).
+    """
+    raw = np.asarray(_to_numpy(sample["libra_pool_segments"]), dtype=np.int64)
+    while raw.ndim > 2:
+        assert raw.shape[0] == 1, f"libra_pool_segments must have a batch dim of 1 (mbs=1), got {raw.shape}"
+        raw = raw[0]
+    segments = [row[row >= 0] for row in raw]
+    position = int(np.asarray(_to_numpy(sample["libra_pool_position"])).reshape(-1)[0])
+    return segments, position
+
+
+def _to_numpy(value: Any) -> Any:
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+
+
+def _start_planner(config: LibraConfig, args: argparse.Namespace) -> Any:
+    from .planner import build_planner_from_args
+
+    return build_planner_from_args(config, args)
+
+
+def _plan_for_rank(planner: Any, pool_segments: Sequence[np.ndarray], position: int, cp_rank: int) -> Any:
+    """The RankPlan of this worker (pool-local id p*CP + c) for the pool's sequences."""
+    return planner.get(pool_segments, position=position, cp_rank=cp_rank)
+
+
+def _packed_seq_params(cls: Any, qkv_format: str, batch: dict, plan: Any, pool_segments: Sequence[np.ndarray],
+                       position: int) -> Any:
+    """The plan carrier. thd: max_seqlen = longest document (RoPE per document); sbhd: max_seqlen = L, so
+    megatron-core computes RoPE for the whole packed sequence and slices it for this CP rank."""
+    cu_seqlens = batch["cu_seqlens"].to(_device())
+    max_seqlen = int(batch["max_seqlen"]) if qkv_format == "thd" else int(cu_seqlens[-1])
+    return cls(
+        qkv_format=qkv_format, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen, libra_plan=plan, libra_pool_segments=[np.asarray(s) for s in pool_segments],
+        libra_position=position,
+    )
+
+
+def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
+    """Inter-pool R-1 (Eq. 4 workloads) of the last trained window, sampler order vs VRSP order."""
+    from ..plan.sequences import place_sequences
+    from ..plan.workload import sequence_flops
+    from .metrics import inter_pool_metrics
+
+    window = int(getattr(args, "consumed_train_samples", 0) or 0) // int(args.global_batch_size) - 1
+    if sampler is None or window < 0:
+        return {}
+    indices = sampler.window_indices(window)
+    segments = [np.asarray(sampler.segments_fn(sampler.dataset, int(i)), dtype=np.int64) for i in indices]
+    order = place_sequences(sequence_flops(segments), sampler.pool_size, sampler.sequence_placement)
+    return inter_pool_metrics(segments, order, sampler.pool_size)
+
+
+def _planner_metrics(planner: Any) -> dict:
+    if planner is None or not hasattr(planner, "latest_metrics"):
+        return {}
+    return dict(planner.latest_metrics() or {})

@@ -1,0 +1,100 @@
+"""LibraHooks helpers that need no Megatron-LM: layout checks, pool metadata decoding, the TP broadcast."""
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from libra_megatron.config import LibraConfig
+from libra_megatron.megatron.hooks import _pool_metadata, carrier_format, check_supported_layout
+from libra_megatron.testing.dist import run_distributed
+
+from .hooks_workers import broadcast_sample_body
+
+
+def _args(**kw):
+    base = dict(pipeline_model_parallel_size=1, dataloader_type="single", hybrid_context_parallel=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(pipeline_model_parallel_size=4), r"--pipeline-model-parallel-size 4: .*PP <= 2"),
+    (dict(dataloader_type="external"), r"--dataloader-type external"),
+    (dict(hybrid_context_parallel=True), r"--hybrid-context-parallel"),
+])
+def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_supported_layout(_args(**kw))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(pipeline_model_parallel_size=2), dict(dataloader_type="cyclic")])
+def test_supported_layouts_pass(kw):
+    check_supported_layout(_args(**kw))
+
+
+@pytest.mark.parametrize("kw, layout, pattern", [
+    (dict(context_parallel_size=2, reset_position_ids=True), "zigzag", r"--reset-position-ids with --context-parallel-size 2"),
+    (dict(context_parallel_size=4), "contiguous", r"--libra-token-layout contiguous with --context-parallel-size 4"),
+])
+def test_rope_layouts_megatron_core_cannot_apply_are_rejected(kw, layout, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_supported_layout(_args(**kw), LibraConfig(token_layout=layout))
+
+
+@pytest.mark.parametrize("kw, layout, expected_format", [
+    (dict(context_parallel_size=1, reset_position_ids=True), "contiguous", "thd"),
+    (dict(context_parallel_size=1), "contiguous", "sbhd"),
+    (dict(context_parallel_size=8), "zigzag", "sbhd"),
+])
+def test_supported_rope_layouts_pick_the_carrier(kw, layout, expected_format):
+    args = _args(**kw)
+    check_supported_layout(args, LibraConfig(token_layout=layout))
+    assert carrier_format(args) == expected_format
+
+
+def test_pool_metadata_drops_padding_and_batch_dim():
+    sample = {"libra_pool_segments": torch.tensor([[[3, 4, -1], [7, -1, -1], [1, 2, 4]]]),
+              "libra_pool_position": torch.tensor([2])}
+    segments, position = _pool_metadata(sample)
+    assert position == 2
+    assert [s.tolist() for s in segments] == [[3, 4], [7], [1, 2, 4]]
+    assert all(s.dtype == np.int64 for s in segments)
+
+
+def test_tp_broadcast_gives_every_rank_rank0s_sample():
+    results = run_distributed(broadcast_sample_body, 2, timeout=120)
+    assert results[0] == results[1]
+    assert results[1]["tokens"] == [list(range(12))]
+    assert results[1]["loss_mask"] == [[1.0] * 10 + [0.0] * 2]
+    assert results[1]["libra_pool_segments"] == [[[5, 7, -1], [12, -1, -1]]]
+    assert results[1]["libra_pool_position"] == [1]
+    assert "unrelated_key" not in results[1]
+
+
+class _FakeSampler:
+    """The attributes of LibraGlobalBatchSampler that ``_window_metrics`` reads; windows of 4 samples."""
+
+    pool_size = 2
+    sequence_placement = "alg1"
+    dataset = [[8], [6, 2], [3], [1, 1]]  # segment lengths of samples 0..3 -> Eq. 4 flops 64, 40, 9, 2
+
+    def window_indices(self, window):
+        return np.arange(window * 4, window * 4 + 4)
+
+    @staticmethod
+    def segments_fn(dataset, index):
+        return np.asarray(dataset[index % 4])
+
+
+def test_window_metrics_are_inter_pool_r1_of_the_last_trained_window():
+    from libra_megatron.megatron.hooks import _window_metrics
+
+    args = argparse.Namespace(consumed_train_samples=8, global_batch_size=4)  # window 1 just trained
+    values = _window_metrics(_FakeSampler(), args)
+    # sampler order: pools {64, 40} = 104 and {9, 2} = 11 (mean 57.5); exact-cardinality LPT (Alg. 1):
+    # 64 -> A, 40 -> B, 9 -> B (49, full), 2 -> A (66)
+    assert values["inter_pool_r1_before"] == pytest.approx(104 / 57.5 - 1)
+    assert values["inter_pool_r1_after"] == pytest.approx(66 / 57.5 - 1)
+    assert _window_metrics(_FakeSampler(), argparse.Namespace(consumed_train_samples=0, global_batch_size=4)) == {}
+    assert _window_metrics(None, args) == {}

@@ -1,0 +1,125 @@
+"""Launcher command line, args files, configs and scripts — no Megatron-LM needed."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from libra_megatron.config import LibraConfig
+from libra_megatron.launch import expand_args_files, parse_launch_args, resolve_megatron_lm
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
+
+
+@pytest.fixture
+def fake_megatron(tmp_path):
+    root = tmp_path / "Megatron-LM"
+    (root / "megatron" / "training").mkdir(parents=True)
+    (root / "pretrain_gpt.py").write_text("raise SystemExit('not run in these tests')\n")
+    return root
+
+
+def test_missing_megatron_path_names_flag_and_variable():
+    with pytest.raises(ValueError, match=r"--megatron-lm-path PATH or set MEGATRON_LM_PATH"):
+        resolve_megatron_lm(None, "pretrain_gpt.py", environ={})
+
+
+def test_flag_wins_over_environment(fake_megatron, tmp_path):
+    root, program = resolve_megatron_lm(str(fake_megatron), "pretrain_gpt.py",
+                                        environ={"MEGATRON_LM_PATH": str(tmp_path / "elsewhere")})
+    assert root == fake_megatron.resolve() and program == fake_megatron.resolve() / "pretrain_gpt.py"
+
+
+def test_environment_is_used_without_flag(fake_megatron):
+    root, _ = resolve_megatron_lm(None, "pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(fake_megatron)})
+    assert root == fake_megatron.resolve()
+
+
+def test_not_a_megatron_checkout_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"MEGATRON_LM_PATH=.*megatron/training does not exist"):
+        resolve_megatron_lm(None, "pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(tmp_path)})
+
+
+def test_missing_program_is_rejected(fake_megatron):
+    with pytest.raises(ValueError, match=r"--megatron-program pretrain_bert.py: .* does not exist"):
+        resolve_megatron_lm(str(fake_megatron), "pretrain_bert.py", environ={})
+
+
+def test_launcher_flags_are_consumed_and_the_rest_passes_through_in_order(fake_megatron):
+    argv = ["--num-layers", "2", "--megatron-lm-path", str(fake_megatron), "--libra-pool-size", "4",
+            "--spec", "libra_megatron.megatron.spec", "libra_local_spec"]
+    plan = parse_launch_args(argv, environ={})
+    assert plan.megatron_argv == ["--num-layers", "2", "--libra-pool-size", "4",
+                                  "--spec", "libra_megatron.megatron.spec", "libra_local_spec"]
+    assert plan.megatron_lm_path == fake_megatron.resolve()
+
+
+def test_args_files_expand_in_place_with_comments_quotes_and_nesting(tmp_path):
+    inner = tmp_path / "inner.args"
+    inner.write_text("--hidden-size 64  # trailing comment\n# full-line comment\n--data-path 'a b'\n")
+    outer = tmp_path / "outer.args"
+    outer.write_text(f"--num-layers 2\n--megatron-args-file {inner}\n")
+    out = expand_args_files(["--seed", "1", f"--megatron-args-file={outer}", "--lr", "0.1"])
+    assert out == ["--seed", "1", "--num-layers", "2", "--hidden-size", "64", "--data-path", "a b", "--lr", "0.1"]
+
+
+def test_self_including_args_file_is_an_error(tmp_path):
+    loop = tmp_path / "loop.args"
+    loop.write_text(f"--megatron-args-file {loop}\n")
+    with pytest.raises(ValueError, match="nesting deeper than 8"):
+        expand_args_files(["--megatron-args-file", str(loop)])
+
+
+def test_missing_args_file_is_an_error():
+    with pytest.raises(ValueError, match=r"--megatron-args-file nope.args: no such file"):
+        expand_args_files(["--megatron-args-file", "nope.args"])
+
+
+@pytest.mark.parametrize("script", ["torchrun_single_node.sh", "torchrun_multi_node.sh", "slurm_libra.sbatch"])
+def test_scripts_are_bash_clean(script):
+    result = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_single_node_script_requires_megatron_path(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "scripts" / "torchrun_single_node.sh"), "cfg.args"],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode != 0 and "MEGATRON_LM_PATH" in result.stderr
+
+
+def _flag(argv, name, cast=int):
+    """Last value of ``name`` in argv (later flags win, as in argparse)."""
+    values = [argv[i + 1] for i, item in enumerate(argv) if item == name]
+    return cast(values[-1]) if values else None
+
+
+def test_all_six_qwen3_configs_exist():
+    names = {p.stem for p in RUN_CONFIGS}
+    assert names == {f"qwen3-{m}-{s}" for m in ("8b", "30b-a3b", "235b-a22b") for s in ("256k", "1m")}
+
+
+@pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: p.stem)
+def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
+    """The YAML named by each run config is valid for that model and layout (DP = the stated minimum)."""
+    argv = expand_args_files(["--megatron-args-file", str(config)])
+    cfg = LibraConfig.from_yaml(str(REPO / _flag(argv, "--libra-config", str)))
+    gpus = int(re.search(r"smallest job is (\d+) GPUs", config.read_text()).group(1))
+    tp, pp, cp = (_flag(argv, f) for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                           "--context-parallel-size"))
+    dp = gpus // (tp * pp * cp)
+    assert dp * tp * pp * cp == gpus and dp % cfg.pool_size == 0
+    cfg.validate(num_attention_heads=_flag(argv, "--num-attention-heads") // tp,
+                 num_query_groups=_flag(argv, "--num-query-groups") // tp, data_parallel_size=dp,
+                 context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
+                 micro_batch_size=_flag(argv, "--micro-batch-size"),
+                 global_batch_size=_flag(argv, "--global-batch-size"))
+    # paper §6.3/§4 defaults, except B=4096 at 1M (the simulator's choice, see docs/sections/launcher.md)
+    assert (cfg.pool_size, cfg.head_split, cfg.block_size, cfg.num_chunks, cfg.tau) == (8, 1, 4096, 4, 0.03)
+
+
+def test_libra_yaml_files_hold_only_known_keys():
+    for path in (REPO / "configs" / "libra").glob("*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        LibraConfig.from_mapping(data["libra"], source=str(path))

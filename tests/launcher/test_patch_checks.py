@@ -1,0 +1,170 @@
+"""Patch-point machinery without Megatron-LM: loud version checks, reversible replacement, args merging."""
+import argparse
+from pathlib import Path
+
+import pytest
+
+from patches import PATCH_POINTS
+from patches._base import (
+    PatchTargetChanged,
+    Patcher,
+    TargetSpec,
+    check_megatron_core_version,
+    resolve_target,
+)
+from patches.get_batch import swap_get_batch
+from patches.parse_args import merge_args_providers
+
+TARGET_SOURCE = """
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = object()
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+"""
+SPEC = TargetSpec("fake_megatron_args", "parse_args", ("extra_args_provider", "ignore_unknown_args"),
+                  ("parser = extra_args_provider(parser)",))
+
+
+def test_resolve_target_returns_the_verified_function(fake_module):
+    module = fake_module("fake_megatron_args", TARGET_SOURCE)
+    assert resolve_target(SPEC) is module.parse_args
+
+
+def test_missing_target_raises_naming_it(fake_module):
+    fake_module("fake_megatron_args", "def something_else():\n    pass\n")
+    with pytest.raises(PatchTargetChanged, match=r"fake_megatron_args\.parse_args does not exist"):
+        resolve_target(SPEC)
+
+
+def test_changed_signature_raises_with_expected_and_found(fake_module):
+    fake_module("fake_megatron_args", TARGET_SOURCE.replace("ignore_unknown_args=False", "strict=True"))
+    with pytest.raises(PatchTargetChanged) as info:
+        resolve_target(SPEC)
+    message = str(info.value)
+    assert "changed its signature" in message
+    assert "['extra_args_provider', 'ignore_unknown_args']" in message
+    assert "['extra_args_provider', 'strict']" in message
+
+
+def test_changed_source_raises_listing_the_missing_fragment(fake_module):
+    fake_module("fake_megatron_args", TARGET_SOURCE.replace("parser = extra_args_provider(parser)",
+                                                            "parser = extra_args_provider(parser, 1)"))
+    with pytest.raises(PatchTargetChanged, match=r"lacks \['parser = extra_args_provider\(parser\)'\]"):
+        resolve_target(SPEC)
+
+
+def test_unimportable_module_raises():
+    with pytest.raises(PatchTargetChanged, match="cannot be imported"):
+        resolve_target(TargetSpec("no_such_megatron_module_xyz", "f", ()))
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "1.16.0"])
+def test_other_megatron_core_versions_are_refused(version):
+    with pytest.raises(PatchTargetChanged, match=rf"megatron-core {version} is installed.*0\.16\.x"):
+        check_megatron_core_version(version)
+
+
+def test_megatron_core_016_is_accepted():
+    check_megatron_core_version("0.16.1")
+
+
+def test_patcher_undo_restores_originals_in_reverse_order(fake_module):
+    module = fake_module("fake_patch_target", "def f():\n    return 'original'\n")
+    original = module.f
+    patcher = Patcher()
+    patcher.replace("fake_patch_target", "f", lambda: "first")
+    patcher.replace("fake_patch_target", "f", lambda: "second")
+    assert module.f() == "second" and patcher.num_replaced == 2
+    patcher.undo()
+    assert module.f is original and patcher.num_replaced == 0
+
+
+def _provider(flag):
+    def add(parser):
+        parser.add_argument(flag, type=int)
+        return parser
+
+    return add
+
+
+def test_merged_providers_register_every_flag_in_order():
+    theirs, ours = _provider("--theirs"), _provider("--ours")
+    parser = merge_args_providers(theirs, ours)(argparse.ArgumentParser())
+    args = parser.parse_args(["--theirs", "1", "--ours", "2"])
+    assert (args.theirs, args.ours) == (1, 2)
+
+
+def test_merge_keeps_a_repeated_provider_once():
+    ours = _provider("--ours")
+    merged = merge_args_providers(ours, None, ours)
+    assert merged is ours  # argparse would reject the flag registered twice
+    assert merge_args_providers(None, None) is None
+
+
+def test_merged_provider_returning_none_is_a_type_error():
+    merged = merge_args_providers(_provider("--a"), lambda parser: None)
+    with pytest.raises(TypeError, match="returned None"):
+        merged(argparse.ArgumentParser())
+
+
+FORWARD_STEP_SOURCE = """
+def get_batch(data_iterator, vp_stage=None):
+    return ("megatron",) * 5 + (None,)
+
+def forward_step(data_iterator, model):
+    vp_stage = None
+    tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params = get_batch(data_iterator, vp_stage)
+    return model(tokens, packed_seq_params=packed_seq_params)
+"""
+
+
+def test_swap_get_batch_redirects_forward_step(fake_module):
+    program = fake_module("fake_pretrain_gpt", FORWARD_STEP_SOURCE)
+    seen = []
+
+    def make(original):
+        def libra_get_batch(data_iterator, vp_stage=None):
+            seen.append(original(data_iterator, vp_stage)[0])
+            return ("libra",) * 5 + ("plan",)
+
+        return libra_get_batch
+
+    original = swap_get_batch(program.forward_step, make)
+    out = program.forward_step(iter(()), lambda tokens, packed_seq_params: (tokens, packed_seq_params))
+    assert out == ("libra", "plan") and seen == ["megatron"]
+    assert original(None)[0] == "megatron"
+
+
+def test_swap_get_batch_refuses_a_changed_forward_step(fake_module):
+    changed = FORWARD_STEP_SOURCE.replace("get_batch(data_iterator, vp_stage)", "get_batch(data_iterator)")
+    program = fake_module("fake_pretrain_gpt", changed)
+    before = program.get_batch
+    with pytest.raises(PatchTargetChanged, match="no longer matches core_v0.16.1"):
+        swap_get_batch(program.forward_step, lambda original: original)
+    assert program.get_batch is before
+
+
+def test_swap_get_batch_refuses_a_changed_get_batch_signature(fake_module):
+    changed = FORWARD_STEP_SOURCE.replace("def get_batch(data_iterator, vp_stage=None)",
+                                          "def get_batch(data_iterator, vp_stage=None, tokenizer=None)")
+    program = fake_module("fake_pretrain_gpt", changed)
+    with pytest.raises(PatchTargetChanged, match="changed its signature"):
+        swap_get_batch(program.forward_step, lambda original: original)
+
+
+def test_model_parallel_target_matches_installed_megatron_core():
+    """The one target that lives in megatron-core (PyPI) is verified without Megatron-LM."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state
+    from patches.model_parallel import DESTROY_MODEL_PARALLEL, INITIALIZE_MODEL_PARALLEL
+
+    assert resolve_target(INITIALIZE_MODEL_PARALLEL) is parallel_state.initialize_model_parallel
+    assert resolve_target(DESTROY_MODEL_PARALLEL) is parallel_state.destroy_model_parallel
+
+
+def test_patch_point_table_names_existing_modules():
+    repo_root = Path(__file__).resolve().parents[2]
+    for point in PATCH_POINTS:
+        assert (repo_root / point.module).is_file(), point
+        assert point.targets and point.why
