@@ -1,0 +1,83 @@
+"""Baselines without cross-group exchange: Ulysses and a WLB-LLM-style re-packing (§6.1).
+
+Imports only ``libra_megatron.plan``. Units as in ``cost``: pair-heads (causal query-key pairs x query
+heads, Eq. 6 summed over a sequence) and seconds per attention layer forward.
+
+Ulysses. Each CP group runs one packed sequence; the head all-to-all gives every CP rank all L tokens
+and hq/CP heads, so it balances perfectly inside the group: per-rank load = sequence pair-heads / CP.
+Its all-to-all moves (CP-1)/CP of every rank's Q, K, V (in) and O (out) tokens, not overlapped.
+
+WLB-LLM, as the Libra paper reproduced it (no outlier deferral): the documents (segments) of one GBS
+window are re-packed into DP*GA = GBS variable-token sequences, heaviest first, each into the sequence
+with the least sum l^2 that still has room under a token cap (``cap_factor * L``; when no sequence has
+room, the one with the fewest tokens). Outliers stay indivisible. Ulysses runs inside each CP group.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from .cost import CostModel
+
+__all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_comm_bytes", "wlb_repack"]
+
+
+def sequence_pair_heads(segments: Sequence[np.ndarray], num_q_heads: int) -> np.ndarray:
+    """Eq. 6 over whole sequences: hq * sum_j l_j (l_j + 1) / 2 per sequence. float64 (n,)."""
+    out = np.empty(len(segments), dtype=np.float64)
+    for i, seg in enumerate(segments):
+        seg = np.asarray(seg, dtype=np.float64)
+        out[i] = float(np.dot(seg, seg + 1.0)) / 2.0 * num_q_heads
+    return out
+
+
+def ulysses_comm_bytes(tokens, cp: int, hq: int, hkv: int, head_dim: int, elem_bytes: int,
+                       gpus_per_node: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per-rank (intra, inter) bytes of Ulysses' all-to-alls for sequences of ``tokens`` tokens.
+
+    A rank holds tokens/CP tokens and sends (CP-1)/CP of their Q, K, V and of the O it computed:
+    (2*hq + 2*hkv) * d * elem bytes per token. Sent == received. Of its CP-1 peers, min(CP, gpn)-1
+    share its node (CP groups are node-aligned when CP <= gpus_per_node).
+    """
+    tokens = np.asarray(tokens, dtype=np.float64)
+    if cp == 1:
+        zero = np.zeros_like(tokens)
+        return zero, zero
+    per_token = (2 * hq + 2 * hkv) * head_dim * elem_bytes
+    total = tokens / cp * per_token * (cp - 1) / cp
+    intra_share = (min(cp, gpus_per_node) - 1) / (cp - 1)
+    return total * intra_share, total * (1.0 - intra_share)
+
+
+def ulysses_worker_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, int], cost: CostModel):
+    """Per-sequence (= per CP rank of its group) seconds: compute of load/CP plus the un-overlapped all-to-all.
+
+    ``heads`` = (hq, hkv, elem_bytes). Returns float64 (n,).
+    """
+    hq, hkv, elem_bytes = heads
+    compute = cost.compute_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
+    intra, inter = ulysses_comm_bytes(tokens, cp, hq, hkv, cost.head_dim, elem_bytes, cost.gpus_per_node)
+    return compute + cost.comm_seconds(intra, inter)
+
+
+def wlb_repack(segments: Sequence[np.ndarray], num_sequences: int, cap_tokens: float) -> List[np.ndarray]:
+    """Re-pack all segments into ``num_sequences`` variable-token sequences (module docstring).
+
+    Returns per-sequence segment arrays; the multiset of segments is preserved exactly.
+    """
+    items = np.sort(np.concatenate([np.asarray(s, dtype=np.int64) for s in segments]))[::-1]
+    load = np.zeros(num_sequences, dtype=np.float64)
+    tokens = np.zeros(num_sequences, dtype=np.int64)
+    members: List[List[int]] = [[] for _ in range(num_sequences)]
+    for length in items.tolist():
+        room = tokens + length <= cap_tokens
+        if room.any():
+            k = int(np.argmin(np.where(room, load, np.inf)))
+        else:
+            k = int(np.argmin(tokens))
+        members[k].append(length)
+        load[k] += float(length) * length
+        tokens[k] += length
+    return [np.asarray(m, dtype=np.int64) for m in members]

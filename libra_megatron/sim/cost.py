@@ -1,0 +1,167 @@
+"""Time model of the simulator: attention seconds from pair counts, link seconds from bytes (§4.4).
+
+Pure numpy. Everything is per attention layer, forward pass.
+
+Compute. A call over ``pair_heads`` causal query-key pairs x query heads does ``4 * d * pair_heads``
+FLOPs (2*d for Q K^T and 2*d for P V per pair and head). Seconds = FLOPs / throughput, where
+throughput is a constant (``--attn-tflops``, default 400 TFLOP/s, an effective H200-class bf16
+FlashAttention figure) or, with ``--calibration``, a measured table interpolated at the call's shape
+(block tokens x heads per call; see ``CalibrationTable``).
+
+Communication. A worker's traffic is split by link: peers on the same node (``--gpus-per-node``) use
+the intra-node bandwidth (default 300 GB/s), other peers the inter-node bandwidth (default 50 GB/s
+per GPU). Per link class the busy time is max(bytes sent, bytes received) / bandwidth (full-duplex
+links); the two classes run concurrently, so comm seconds = max(intra time, inter time).
+
+Exposure (TAP Pipeliner, §4.4). With M equal head chunks, chunk 0's dispatch and chunk M-1's return
+cannot overlap, and the (M-1)/M middle share can hide only behind compute:
+    exposed = comm - min((M-1)/M * comm, compute)        (= comm/M at best)
+    worker seconds = compute + exposed
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds"]
+
+GB = 1e9
+TFLOP = 1e12
+
+
+def attention_flops(pair_heads, head_dim: int) -> np.ndarray:
+    """Forward attention FLOPs of ``pair_heads`` (causal pairs x query heads): 4 * d * pair_heads."""
+    return 4.0 * head_dim * np.asarray(pair_heads, dtype=np.float64)
+
+
+def exposed_comm_seconds(comm, compute, num_chunks: int) -> np.ndarray:
+    """Communication left on the critical path after Pipeliner overlap (module docstring formula)."""
+    comm = np.asarray(comm, dtype=np.float64)
+    compute = np.asarray(compute, dtype=np.float64)
+    hidable = comm * (num_chunks - 1) / num_chunks
+    return comm - np.minimum(hidable, compute)
+
+
+@dataclass(frozen=True)
+class CalibrationTable:
+    """Measured attention throughput per call shape (written by ``benchmarks/gpu/calibrate.py``).
+
+    JSON: ``{"device": str, "head_dim": int, "entries": [{"block_tokens": int, "heads": int,
+    "seconds": float, "pairs": int}, ...]}``; ``pairs`` = causal query-key pairs per head of the timed
+    call, so its throughput is 4 * head_dim * pairs * heads / seconds FLOP/s.
+
+    Interpolation: for each measured head count, throughput is piecewise linear in log2(block_tokens)
+    (clamped to the measured range); between head counts, linear in log2(heads) (clamped).
+    """
+
+    device: str
+    head_dim: int
+    heads: Tuple[int, ...]
+    tokens: Tuple[Tuple[float, ...], ...]  # per head count: log2(block_tokens), increasing
+    flops_per_s: Tuple[Tuple[float, ...], ...]  # per head count: throughput at those tokens
+
+    @classmethod
+    def from_json(cls, path: str) -> "CalibrationTable":
+        try:
+            with open(path, "r", encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--calibration {path}: cannot read JSON ({err})") from None
+        return cls.from_mapping(data, source=f"--calibration {path}")
+
+    @classmethod
+    def from_mapping(cls, data, source: str = "--calibration") -> "CalibrationTable":
+        try:
+            head_dim = int(data["head_dim"])
+            rows = [(int(e["block_tokens"]), int(e["heads"]), float(e["seconds"]), int(e["pairs"]))
+                    for e in data["entries"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: expected keys device, head_dim, entries[block_tokens, heads, "
+                             f"seconds, pairs] ({err!r})") from None
+        if not rows or any(t < 1 or h < 1 or s <= 0 or p < 1 for t, h, s, p in rows):
+            raise ValueError(f"{source}: need >= 1 entry with block_tokens, heads, pairs >= 1 and seconds > 0")
+        by_heads: Dict[int, Dict[int, float]] = {}
+        for tokens, heads, seconds, pairs in rows:
+            by_heads.setdefault(heads, {})[tokens] = 4.0 * head_dim * pairs * heads / seconds
+        heads_sorted = tuple(sorted(by_heads))
+        tokens = tuple(tuple(math.log2(t) for t in sorted(by_heads[h])) for h in heads_sorted)
+        rates = tuple(tuple(by_heads[h][t] for t in sorted(by_heads[h])) for h in heads_sorted)
+        return cls(str(data.get("device", "unknown")), head_dim, heads_sorted, tokens, rates)
+
+    def flops_per_second(self, block_tokens, heads: int) -> np.ndarray:
+        """Interpolated FLOP/s for calls of ``block_tokens`` (array) tokens and ``heads`` query heads."""
+        x = np.log2(np.maximum(np.asarray(block_tokens, dtype=np.float64), 1.0))
+        per_head = [np.interp(x, t, r) for t, r in zip(self.tokens, self.flops_per_s)]
+        if len(self.heads) == 1:
+            return per_head[0]
+        logs = np.log2(np.asarray(self.heads, dtype=np.float64))
+        stacked = np.stack(per_head, axis=0)
+        y = math.log2(max(heads, 1))
+        hi = int(np.clip(np.searchsorted(logs, y), 1, len(logs) - 1))
+        w = float(np.clip((y - logs[hi - 1]) / (logs[hi] - logs[hi - 1]), 0.0, 1.0))
+        return (1.0 - w) * stacked[hi - 1] + w * stacked[hi]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Documented, overridable assumptions turning pair counts and bytes into seconds."""
+
+    head_dim: int
+    attn_tflops: float = 400.0
+    intra_node_gbps: float = 300.0
+    inter_node_gbps: float = 50.0
+    gpus_per_node: int = 8
+    num_chunks: int = 4
+    calibration: Optional[CalibrationTable] = None
+
+    def __post_init__(self) -> None:
+        for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.calibration is not None and self.calibration.head_dim != self.head_dim:
+            raise ValueError(f"--calibration was measured at head_dim {self.calibration.head_dim}, "
+                             f"but --head-dim is {self.head_dim}")
+
+    def compute_seconds(self, pair_heads, call_tokens, heads_per_call: int) -> np.ndarray:
+        """Seconds for calls of ``pair_heads`` work, each ``call_tokens`` query tokens x ``heads_per_call``."""
+        flops = attention_flops(pair_heads, self.head_dim)
+        if self.calibration is None:
+            return flops / (self.attn_tflops * TFLOP)
+        return flops / self.calibration.flops_per_second(call_tokens, heads_per_call)
+
+    def peak_compute_seconds(self, pair_heads) -> np.ndarray:
+        """Seconds at the best throughput any call shape reaches (for lower bounds)."""
+        flops = attention_flops(pair_heads, self.head_dim)
+        if self.calibration is None:
+            return flops / (self.attn_tflops * TFLOP)
+        return flops / max(max(rates) for rates in self.calibration.flops_per_s)
+
+    def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
+        """Per worker: max(intra / intra bw, inter / inter bw); bytes already max(sent, received)."""
+        intra = np.asarray(intra_bytes, dtype=np.float64) / (self.intra_node_gbps * GB)
+        inter = np.asarray(inter_bytes, dtype=np.float64) / (self.inter_node_gbps * GB)
+        return np.maximum(intra, inter)
+
+    def worker_seconds(self, compute, comm) -> np.ndarray:
+        """compute + exposed comm (Pipeliner overlap with M = num_chunks chunks)."""
+        return np.asarray(compute, dtype=np.float64) + exposed_comm_seconds(comm, compute, self.num_chunks)
+
+    def assumptions(self) -> Dict[str, object]:
+        """JSON-ready record of what the time estimates assumed."""
+        out: Dict[str, object] = {
+            "attn_tflops": self.attn_tflops, "intra_node_gbps": self.intra_node_gbps,
+            "inter_node_gbps": self.inter_node_gbps, "gpus_per_node": self.gpus_per_node,
+            "num_chunks": self.num_chunks, "head_dim": self.head_dim,
+            "flops_per_pair_head": 4 * self.head_dim,
+            "step_time": "max over workers of compute + comm - min((M-1)/M*comm, compute)",
+        }
+        out["calibration"] = None if self.calibration is None else {
+            "device": self.calibration.device, "heads": list(self.calibration.heads)}
+        return out

@@ -1,0 +1,82 @@
+"""Human-readable output of the simulator: the candidate table and a tiny stderr progress bar."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Dict, List, Optional, TextIO
+
+__all__ = ["ProgressBar", "format_table"]
+
+
+class ProgressBar:
+    """``[#####.....] 5/10 windows 12.3s`` on one rewritten stderr line; silent when disabled."""
+
+    def __init__(self, enabled: bool, stream: Optional[TextIO] = None, width: int = 30):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.width = width
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * done // max(total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.perf_counter() - self.start
+        self.stream.write(f"\r[{bar}] {done}/{total} windows {elapsed:.1f}s")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+_COLUMNS = (  # header, width, getter
+    ("P", 4, lambda c: f"{c['pool_size']}"),
+    ("H", 3, lambda c: f"{c['head_split']}"),
+    ("B", 6, lambda c: f"{c['block_size']}"),
+    ("tiles", 7, lambda c: f"{c['num_tiles']}"),
+    ("R-1 contig", 10, lambda c: f"{c['inter_pool_imbalance']['contiguous']:.4f}"),
+    ("R-1 alg1", 9, lambda c: f"{c['inter_pool_imbalance']['alg1']:.4f}"),
+    ("R-1 placed", 10, lambda c: f"{c['inter_pool_imbalance']['placed']:.4f}"),
+    ("R-1 LB", 7, lambda c: f"{c['inter_pool_imbalance']['lower_bound']:.4f}"),
+    ("intra", 7, lambda c: f"{c['intra_pool_imbalance']:.4f}"),
+    ("Q GB", 7, lambda c: f"{c['bytes_per_layer']['q'] / 1e9:.2f}"),
+    ("KV GB", 7, lambda c: f"{c['bytes_per_layer']['kv'] / 1e9:.2f}"),
+    ("O GB", 7, lambda c: f"{c['bytes_per_layer']['o'] / 1e9:.2f}"),
+    ("step ms", 8, lambda c: f"{c['estimated_step_seconds'] * 1e3:.2f}"),
+    ("vs Uly", 7, lambda c: f"{c['straggler_vs_ulysses']:.3f}"),
+    ("max vs Uly", 10, lambda c: f"{c['straggler_max_vs_ulysses']:.3f}"),
+    ("vs LB", 6, lambda c: f"{c['straggler_vs_lower_bound']:.3f}"),
+    ("TAP x", 6, lambda c: _speedup(c, "tap")),
+    ("T+V x", 6, lambda c: _speedup(c, "tap_vrsp")),
+    ("DistCA x", 8, lambda c: _speedup(c, "distca")),
+)
+
+
+def _speedup(cand: Dict, name: str) -> str:
+    base = cand["baselines"].get(name)
+    return "-" if base is None else f"{base['speedup_vs_ulysses']:.2f}"
+
+
+def format_table(report: Dict) -> str:
+    """The stdout report of one run (``SimResult.to_json()`` as input)."""
+    header = " ".join(h.rjust(w) for h, w, _ in _COLUMNS)
+    rows: List[str] = [header, "-" * len(header)]
+    best = report["recommended"]
+    for cand in report["candidates"]:
+        mark = " <- recommended" if all(cand[k] == best[k] for k in ("pool_size", "head_split", "block_size")) else ""
+        rows.append(" ".join(get(cand).rjust(w) for _, w, get in _COLUMNS) + mark)
+    uly, wlb = report["baselines"]["ulysses"], report["baselines"]["wlb_llm"]
+    rows += [
+        "",
+        f"windows {report['num_windows']}  sequences {report['num_sequences']}  documents {report['num_documents']}"
+        f"  runtime {report['runtime_seconds']:.1f}s",
+        f"Ulysses: mean step {uly['mean_step_seconds'] * 1e3:.2f} ms, max {uly['max_step_seconds'] * 1e3:.2f} ms;"
+        f"  WLB-LLM (no deferral): mean {wlb['mean_step_seconds'] * 1e3:.2f} ms (x{wlb['speedup_vs_ulysses']:.2f}),"
+        f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",
+        f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}: estimated step "
+        f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
+        "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra = worker max/mean-1 (Eq. 6); GB = remote bytes per pool"
+        " per layer fwd; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
+    ]
+    return "\n".join(rows)

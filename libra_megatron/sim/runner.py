@@ -1,0 +1,510 @@
+"""Corpus simulator (§5 "Configuration simulator"): replay VRSP and TAP over every GBS window.
+
+Imports only ``libra_megatron.plan`` and ``libra_megatron.config``. All times are per attention layer,
+forward pass, from ``cost.CostModel``. Definitions (every number is a mean over windows unless noted):
+
+window      GBS consecutive packed sequences of the corpus (packing order); a trailing partial window
+            is dropped. A window runs as GA = GBS/DP steps; pool k of an order runs at GA step
+            k*P // DP on DP ranks (k % (DP/P))*P + j (``plan.sequences.assign_to_ranks``).
+inter-pool  R - 1 = max/mean - 1 of pool loads sum_i F_i (Eq. 2/4) for the contiguous (sampler) order,
+            Algorithm 1, and the configured ``--sequence-placement``; ``lower_bound`` is the same ratio for
+            ``workload.pool_lower_bound_counting`` (no grouping can beat it); ``eq3`` is Eq. 3 with the
+            window's CV of F_i and D = GBS.
+intra-pool  max/mean - 1 of Eq. 6 worker loads after tile placement, mean over pool instances.
+straggler   per step, max over the DP*CP workers of compute + exposed comm (``cost``); a candidate's
+            ``estimated_step_seconds`` is its mean over all steps of all windows -- the objective the
+            recommendation minimises. ``straggler_vs_ulysses`` = sum of Libra step stragglers / sum of
+            Ulysses step stragglers (< 1 is faster); ``straggler_vs_lower_bound`` divides by the
+            perfectly balanced, communication-free step: window compute at peak rate / (GA*DP*CP).
+bytes       per pool instance and layer forward (remote only), split Q / KV / O (``ExchangePlan`` totals).
+variants    tap       contiguous order + Algorithm 2 (Libra "TAP")
+            tap_vrsp  Algorithm 1 + Algorithm 2 (Libra "TAP+VRSP", the paper's full placement)
+            libra     --sequence-placement + --tile-placement (the candidate's headline numbers)
+            distca    one pool of P = DP per GA step (contiguous order) with --tile-placement, same H, B
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..config import PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
+from ..plan.layout import TokenLayout
+from ..plan.packing import pack_documents
+from ..plan.sequences import place_sequences, pool_loads
+from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
+from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
+from .cost import CostModel
+from .pools import PoolEvaluator, PoolResult
+
+__all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "MODEL_PRESETS", "DTYPE_BYTES"]
+
+MODEL_PRESETS: Dict[str, Tuple[int, int, int]] = {  # (hq, hkv, head_dim), bf16
+    "qwen3-8b": (32, 8, 128),
+    "qwen3-30b-a3b": (32, 4, 128),
+    "qwen3-235b-a22b": (64, 4, 128),
+}
+DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+VARIANTS = ("tap", "tap_vrsp", "libra")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Attention shape: query heads, kv heads, head dim, bytes per element."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    elem_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Everything one simulator run depends on (the CLI builds it; ``validate`` names CLI flags)."""
+
+    seq_len: int
+    global_batch_size: int
+    data_parallel_size: int
+    context_parallel_size: int
+    pool_sizes: Tuple[int, ...]
+    head_splits: Tuple[int, ...]
+    block_sizes: Tuple[int, ...]
+    dims: ModelDims
+    cost: CostModel
+    num_chunks: int = 4
+    tau: float = 0.03
+    token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
+    sequence_placement: SequencePlacement = SequencePlacement.REFINED
+    tile_placement: TilePlacement = TilePlacement.ALG2
+    packing: PackingMode = PackingMode.MEGATRON
+    seed: int = 1234
+    max_windows: Optional[int] = None
+    wlb_cap_factor: float = 1.25
+    distca: bool = True
+
+    @property
+    def num_steps(self) -> int:
+        """GA steps per window: GBS / DP."""
+        return self.global_batch_size // self.data_parallel_size
+
+    def validate(self) -> "SimSpec":
+        _validate_spec(self)
+        return self
+
+
+def _positive(value, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+
+def _validate_heads(spec: SimSpec) -> None:
+    hq, hkv, m = spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.num_chunks
+    if hq % hkv:
+        raise ValueError(f"--num-kv-heads {hkv} must divide --num-heads {hq} ({hq} % {hkv} = {hq % hkv})")
+    for h in spec.head_splits:
+        _positive(h, "--head-split")
+        if hq % (h * m):
+            raise ValueError(f"--head-split {h} x --num-chunks {m} = {h * m} must divide --num-heads {hq} "
+                             f"({hq} % {h * m} = {hq % (h * m)})")
+        piece, group = hq // (h * m), hq // hkv
+        if piece % group and group % piece:
+            raise ValueError(f"--num-heads/(--head-split*--num-chunks) = {hq}/({h}*{m}) = {piece} must be a "
+                             f"multiple or divisor of the GQA group --num-heads/--num-kv-heads = {group}")
+
+
+def _validate_spec(spec: SimSpec) -> None:
+    for value, flag in ((spec.seq_len, "--seq-len"), (spec.global_batch_size, "--gbs"), (spec.num_chunks, "--num-chunks"),
+                        (spec.data_parallel_size, "--dp"), (spec.context_parallel_size, "--cp")):
+        _positive(value, flag)
+    gbs, dp, cp = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size
+    if gbs % dp:
+        raise ValueError(f"--gbs {gbs} must be divisible by --dp {dp} ({gbs} % {dp} = {gbs % dp})")
+    for p in spec.pool_sizes:
+        _positive(p, "--pool-size")
+        if dp % p:
+            raise ValueError(f"--pool-size {p} must divide --dp {dp} ({dp} % {p} = {dp % p})")
+    for b in spec.block_sizes:
+        _positive(b, "--block-size")
+    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes):
+        raise ValueError("--pool-size, --head-split and --block-size each need at least one value")
+    _validate_heads(spec)
+    chunks = 2 * cp if spec.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+    if spec.seq_len % chunks:
+        raise ValueError(f"--seq-len {spec.seq_len} must be divisible by {chunks} CP chunks (--token-layout "
+                         f"{spec.token_layout.value}, --cp {cp}): {spec.seq_len} % {chunks} = {spec.seq_len % chunks}")
+    if not spec.tau >= 0:
+        raise ValueError(f"--tau must be >= 0, got {spec.tau!r}")
+    if not spec.wlb_cap_factor >= 1:
+        raise ValueError(f"--wlb-cap-factor must be >= 1 (token cap = factor * --seq-len), got {spec.wlb_cap_factor!r}")
+    if spec.max_windows is not None:
+        _positive(spec.max_windows, "--max-windows")
+    if spec.cost.num_chunks != spec.num_chunks or spec.cost.head_dim != spec.dims.head_dim:
+        raise ValueError("CostModel.num_chunks/head_dim must equal --num-chunks/--head-dim")
+
+
+# --------------------------------------------------------------------------- accumulators
+@dataclass
+class _Steps:
+    """Per-step straggler seconds of one variant over all windows."""
+
+    seconds: List[float] = field(default_factory=list)
+
+    def summary(self, ulysses: "_Steps") -> Dict[str, float]:
+        s, u = np.asarray(self.seconds), np.asarray(ulysses.seconds)
+        return {"mean_step_seconds": float(s.mean()), "max_step_seconds": float(s.max()),
+                "speedup_vs_ulysses": float(u.sum() / s.sum()), "max_speedup_vs_ulysses": float(u.max() / s.max())}
+
+
+@dataclass
+class WorstStep:
+    """Per-worker seconds of the slowest step of a candidate (for the load-bar plot)."""
+
+    window: int
+    step: int
+    compute_seconds: np.ndarray  # [DP*CP], Libra worker order (pool slot major)
+    exposed_comm_seconds: np.ndarray
+    ulysses_seconds: np.ndarray  # [DP*CP], the same window and step under Ulysses
+
+    def to_json(self) -> Dict[str, object]:
+        return {"window": self.window, "step": self.step,
+                "compute_seconds": self.compute_seconds.tolist(),
+                "exposed_comm_seconds": self.exposed_comm_seconds.tolist(),
+                "ulysses_seconds": self.ulysses_seconds.tolist()}
+
+
+@dataclass
+class Candidate:
+    """Accumulated measurements of one (P, H, B)."""
+
+    pool_size: int
+    head_split: int
+    block_size: int
+    inter: Dict[str, List[float]] = field(default_factory=lambda: {k: [] for k in ("contiguous", "alg1", "placed", "lower_bound", "eq3")})
+    intra: List[float] = field(default_factory=list)
+    bytes_qkvo: List[Tuple[int, int, int]] = field(default_factory=list)
+    num_tiles: List[int] = field(default_factory=list)
+    num_fallback: int = 0
+    steps: Dict[str, _Steps] = field(default_factory=lambda: {k: _Steps() for k in VARIANTS + ("distca",)})
+    lower_bound: List[float] = field(default_factory=list)
+    worst: Optional[WorstStep] = None
+
+    @property
+    def estimated_step_seconds(self) -> float:
+        return float(np.mean(self.steps["libra"].seconds))
+
+    def to_json(self, ulysses: _Steps) -> Dict[str, object]:
+        libra = np.asarray(self.steps["libra"].seconds)
+        bytes_mean = np.asarray(self.bytes_qkvo, dtype=np.float64).mean(axis=0)
+        baselines = {k: self.steps[k].summary(ulysses) for k in ("tap", "tap_vrsp", "distca") if self.steps[k].seconds}
+        return {
+            "pool_size": self.pool_size, "head_split": self.head_split, "block_size": self.block_size,
+            "num_tiles": int(round(float(np.mean(self.num_tiles)))),
+            "inter_pool_imbalance": {k: float(np.mean(v)) for k, v in self.inter.items()},
+            "intra_pool_imbalance": float(np.mean(self.intra)),
+            "intra_pool_imbalance_max": float(np.max(self.intra)),
+            "num_fallback_tiles": int(self.num_fallback),
+            "straggler_vs_ulysses": float(libra.sum() / np.sum(ulysses.seconds)),
+            "straggler_max_vs_ulysses": float(libra.max() / np.max(ulysses.seconds)),
+            "straggler_vs_lower_bound": float(libra.sum() / np.sum(self.lower_bound)),
+            "bytes_per_layer": {"q": float(bytes_mean[0]), "kv": float(bytes_mean[1]), "o": float(bytes_mean[2])},
+            "estimated_step_seconds": self.estimated_step_seconds,
+            "max_step_seconds": float(libra.max()),
+            "baselines": baselines,
+        }
+
+
+# --------------------------------------------------------------------------- corpus and windows
+@dataclass(frozen=True)
+class _Corpus:
+    """Packed corpus: per-sequence segments, Eq. 2 loads F_i and Eq. 6 pair-heads."""
+
+    segments: List[np.ndarray]
+    flops: np.ndarray  # float64 (num_sequences,)
+    pair_heads: np.ndarray  # float64 (num_sequences,)
+    num_documents: int
+
+
+def _pack_corpus(doc_lens: np.ndarray, spec: SimSpec) -> _Corpus:
+    segments = pack_documents(doc_lens, spec.seq_len, spec.packing, spec.seed)
+    return _Corpus(segments, sequence_flops(segments), sequence_pair_heads(segments, spec.dims.num_q_heads),
+                   int(np.count_nonzero(doc_lens)))
+
+
+def _num_windows(num_sequences: int, spec: SimSpec) -> int:
+    full = num_sequences // spec.global_batch_size
+    if full == 0:
+        raise ValueError(f"the corpus packs into {num_sequences} sequences of --seq-len {spec.seq_len}, fewer than "
+                         f"one --gbs {spec.global_batch_size} window; use a smaller --gbs/--seq-len or more --trace")
+    return full if spec.max_windows is None else min(full, spec.max_windows)
+
+
+def _pool_positions(num_pools: int, pool_size: int, dp: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(GA step, first DP rank) of every pool k of a GA-major, pool-minor order (Fig. 7)."""
+    k = np.arange(num_pools, dtype=np.int64)
+    return k * pool_size // dp, (k % (dp // pool_size)) * pool_size
+
+
+@dataclass
+class _OrderRun:
+    """One placement variant on one window: per-step stragglers and the pools that ran."""
+
+    step_seconds: np.ndarray  # [GA]
+    pools: List[PoolResult]
+    pool_step: np.ndarray
+    pool_first_dp: np.ndarray
+
+
+def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int, hb: Tuple[int, int],
+               method, spec: SimSpec) -> _OrderRun:
+    """Evaluate every pool of ``order`` (positions into the window ``ids``) and take per-step maxima."""
+    num_pools = order.size // pool_size
+    step, first_dp = _pool_positions(num_pools, pool_size, spec.data_parallel_size)
+    cp = spec.context_parallel_size
+    pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], hb[0], hb[1], method, int(first_dp[k]) * cp)
+             for k in range(num_pools)]
+    step_seconds = np.zeros(spec.num_steps)
+    np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
+    return _OrderRun(step_seconds, pools, step, first_dp)
+
+
+def _step_workers(run: _OrderRun, step: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(compute, exposed comm) per worker of one step, pools in DP-rank order."""
+    chosen = sorted(np.flatnonzero(run.pool_step == step).tolist(), key=lambda k: run.pool_first_dp[k])
+    compute = np.concatenate([run.pools[k].compute_seconds for k in chosen])
+    total = np.concatenate([run.pools[k].seconds for k in chosen])
+    return compute, total - compute
+
+
+@dataclass
+class _Window:
+    """Candidate-independent data of one window."""
+
+    index: int
+    ids: np.ndarray  # corpus sequence ids, sampler order
+    ulysses_seq_seconds: np.ndarray  # (GBS,)
+    lower_bound_step: float
+
+
+def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
+    gbs, dp, cp = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size
+    ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
+    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
+    lb = float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / (spec.num_steps * dp * cp)
+    return _Window(w, ids, uly, lb)
+
+
+def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
+    bins = wlb_repack([corpus.segments[i] for i in win.ids], spec.global_batch_size, spec.wlb_cap_factor * spec.seq_len)
+    tokens = np.array([b.sum() for b in bins], dtype=np.float64)
+    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    secs = ulysses_worker_seconds(sequence_pair_heads(bins, spec.dims.num_q_heads), tokens,
+                                  spec.context_parallel_size, heads, spec.cost)
+    return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
+
+
+def _distca_steps(ev: PoolEvaluator, win: _Window, hb: Tuple[int, int], spec: SimSpec) -> np.ndarray:
+    order = np.arange(spec.global_batch_size, dtype=np.int64)
+    return _run_order(ev, win.ids, order, spec.data_parallel_size, hb, spec.tile_placement, spec).step_seconds
+
+
+def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """Inter-pool R-1 of every order, of the counting lower bound, and Eq. 3 at the window CV."""
+    out = {name: imbalance(pool_loads(flops, order, cand_p)) for name, order in orders.items()}
+    mean_pool = float(flops.sum()) / (flops.size // cand_p)
+    out["lower_bound"] = pool_lower_bound_counting(flops, cand_p) / mean_pool - 1.0 if mean_pool > 0 else 0.0
+    cv = float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0
+    out["eq3"] = clt_expected_imbalance(cv, cand_p, flops.size)
+    return out
+
+
+def _orders(flops: np.ndarray, pool_size: int, spec: SimSpec) -> Dict[str, np.ndarray]:
+    return {
+        "contiguous": place_sequences(flops, pool_size, SequencePlacement.CONTIGUOUS),
+        "alg1": place_sequences(flops, pool_size, SequencePlacement.ALG1),
+        "placed": place_sequences(flops, pool_size, spec.sequence_placement),
+    }
+
+
+_VARIANT_PLAN = {  # variant -> (order name, tile method or None for --tile-placement)
+    "tap": ("contiguous", TilePlacement.ALG2),
+    "tap_vrsp": ("alg1", TilePlacement.ALG2),
+    "libra": ("placed", None),
+}
+
+
+def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
+                      orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
+    """Run the three Libra variants of one candidate on one window and accumulate."""
+    hb = (cand.head_split, cand.block_size)
+    for variant, (order_name, method) in _VARIANT_PLAN.items():
+        run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, hb, method or spec.tile_placement, spec)
+        cand.steps[variant].seconds.extend(run.step_seconds.tolist())
+        if variant == "libra":
+            _record_libra(cand, run, win, spec)
+    cand.lower_bound.extend([win.lower_bound_step] * spec.num_steps)
+
+
+def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) -> None:
+    cand.intra.extend(p.intra_imbalance for p in run.pools)
+    cand.bytes_qkvo.extend(p.bytes_qkvo for p in run.pools)
+    cand.num_tiles.extend(p.num_tiles for p in run.pools)
+    cand.num_fallback += sum(p.num_fallback for p in run.pools)
+    step = int(np.argmax(run.step_seconds))
+    if cand.worst is None or run.step_seconds[step] > _worst_seconds(cand.worst):
+        compute, exposed = _step_workers(run, step)
+        dp = spec.data_parallel_size
+        uly = np.repeat(win.ulysses_seq_seconds[step * dp:(step + 1) * dp], spec.context_parallel_size)
+        cand.worst = WorstStep(win.index, step, compute, exposed, uly)
+
+
+def _worst_seconds(worst: WorstStep) -> float:
+    return float((worst.compute_seconds + worst.exposed_comm_seconds).max())
+
+
+# --------------------------------------------------------------------------- result and driver
+OBJECTIVE = ("estimated_step_seconds = mean over GA steps of max over workers of "
+             "(compute + comm - min((M-1)/M * comm, compute)); recommended = argmin, ties -> smaller P, H, B")
+
+
+@dataclass
+class SimResult:
+    """Everything a run measured; ``to_json`` is the stable machine-readable form."""
+
+    spec: SimSpec
+    candidates: List[Candidate]
+    ulysses: _Steps
+    wlb: _Steps
+    num_windows: int
+    num_sequences: int
+    num_documents: int
+    seconds: float = 0.0
+    window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
+
+    def recommended(self) -> Candidate:
+        """argmin of the objective (``OBJECTIVE``); candidates are kept in (P, H, B) grid order."""
+        return min(self.candidates, key=lambda c: (c.estimated_step_seconds, c.pool_size, c.head_split, c.block_size))
+
+    def _assumptions(self) -> Dict[str, object]:
+        s = self.spec
+        return {
+            "seq_len": s.seq_len, "gbs": s.global_batch_size, "dp": s.data_parallel_size,
+            "cp": s.context_parallel_size, "num_heads": s.dims.num_q_heads, "num_kv_heads": s.dims.num_kv_heads,
+            "head_dim": s.dims.head_dim, "elem_bytes": s.dims.elem_bytes, "num_chunks": s.num_chunks, "tau": s.tau,
+            "token_layout": s.token_layout.value, "sequence_placement": s.sequence_placement.value,
+            "tile_placement": s.tile_placement.value, "packing": s.packing.value, "seed": s.seed,
+            "wlb_cap_factor": s.wlb_cap_factor, "cost": s.cost.assumptions(), "objective": OBJECTIVE,
+            "units": "seconds and bytes per attention layer, forward pass",
+        }
+
+    def to_json(self) -> Dict[str, object]:
+        best = self.recommended()
+        return {
+            "num_windows": self.num_windows, "num_sequences": self.num_sequences,
+            "num_documents": self.num_documents, "runtime_seconds": self.seconds,
+            "assumptions": self._assumptions(),
+            "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
+            "candidates": [c.to_json(self.ulysses) for c in self.candidates],
+            "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
+                            "estimated_step_seconds": best.estimated_step_seconds,
+                            "worst_step": best.worst.to_json() if best.worst else None},
+        }
+
+
+def _make_candidates(spec: SimSpec) -> List[Candidate]:
+    return [Candidate(p, h, b) for p in spec.pool_sizes for h in spec.head_splits for b in spec.block_sizes]
+
+
+def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, result: SimResult) -> None:
+    win = _window_data(corpus, w, spec)
+    dp = spec.data_parallel_size
+    result.ulysses.seconds.extend(win.ulysses_seq_seconds.reshape(spec.num_steps, dp).max(axis=1).tolist())
+    result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
+    flops = corpus.flops[win.ids]
+    result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
+    distca: Dict[Tuple[int, int], np.ndarray] = {}
+    for p in spec.pool_sizes:
+        orders = _orders(flops, p, spec)
+        inter = _inter_pool(p, flops, orders)
+        for cand in (c for c in result.candidates if c.pool_size == p):
+            for key, value in inter.items():
+                cand.inter[key].append(value)
+            _record_candidate(cand, ev, win, orders, spec)
+            hb = (cand.head_split, cand.block_size)
+            if spec.distca and hb not in distca:
+                distca[hb] = _distca_steps(ev, win, hb, spec)
+            if spec.distca:
+                cand.steps["distca"].seconds.extend(distca[hb].tolist())
+    ev.clear()
+
+
+def _merge_window(into: SimResult, part: SimResult) -> None:
+    """Append one window's measurements (``part``) to ``into``; windows must arrive in order."""
+    into.ulysses.seconds.extend(part.ulysses.seconds)
+    into.wlb.seconds.extend(part.wlb.seconds)
+    into.window_cv.extend(part.window_cv)
+    for mine, theirs in zip(into.candidates, part.candidates):
+        for key, values in theirs.inter.items():
+            mine.inter[key].extend(values)
+        for name, steps in theirs.steps.items():
+            mine.steps[name].seconds.extend(steps.seconds)
+        mine.intra.extend(theirs.intra)
+        mine.bytes_qkvo.extend(theirs.bytes_qkvo)
+        mine.num_tiles.extend(theirs.num_tiles)
+        mine.lower_bound.extend(theirs.lower_bound)
+        mine.num_fallback += theirs.num_fallback
+        if theirs.worst is not None and (mine.worst is None or _worst_seconds(theirs.worst) > _worst_seconds(mine.worst)):
+            mine.worst = theirs.worst
+
+
+_WORKER: Dict[str, object] = {}  # per-process state of window workers (set before forking)
+
+
+def _window_job(w: int) -> SimResult:
+    """Simulate window ``w`` alone (in a worker process or inline) into a fresh partial result."""
+    corpus, spec, ev = _WORKER["corpus"], _WORKER["spec"], _WORKER["evaluator"]
+    part = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), 1, 0, 0)
+    _simulate_window(corpus, w, spec, ev, part)
+    return part
+
+
+def _window_results(num_windows: int, jobs: int):
+    """Yield per-window partial results in window order, ``jobs`` processes at a time (fork)."""
+    if jobs <= 1 or num_windows == 1:
+        yield from (_window_job(w) for w in range(num_windows))
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(min(jobs, num_windows)) as pool:
+        yield from pool.imap(_window_job, range(num_windows))
+
+
+def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
+                   jobs: int = 1) -> SimResult:
+    """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B) and the baselines.
+
+    ``jobs`` > 1 simulates windows in that many forked processes; results are identical to jobs=1.
+    """
+    start = time.perf_counter()
+    spec.validate()
+    _positive(jobs, "--jobs")
+    corpus = _pack_corpus(np.asarray(doc_lens, dtype=np.int64), spec)
+    num_windows = _num_windows(len(corpus.segments), spec)
+    layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
+    ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
+                       spec.dims.elem_bytes, spec.tau, spec.num_chunks, spec.cost)
+    result = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), num_windows,
+                       len(corpus.segments), corpus.num_documents)
+    _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)
+    try:
+        for done, part in enumerate(_window_results(num_windows, jobs), start=1):
+            _merge_window(result, part)
+            if progress is not None:
+                progress(done, num_windows)
+    finally:
+        _WORKER.clear()
+    result.seconds = time.perf_counter() - start
+    return result

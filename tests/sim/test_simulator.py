@@ -1,0 +1,232 @@
+"""Simulator end to end on a tiny SYNTHETIC trace, checked against independent recomputation."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from libra_megatron.config import SequencePlacement, TilePlacement
+from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.packing import pack_documents
+from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.sequences import place_sequences
+from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.sim.__main__ import build_parser, main, spec_from_args
+from libra_megatron.sim.runner import run_simulation
+
+# synthetic long-tailed lengths: many short documents and a few long ones (deterministic)
+SYNTH = np.concatenate([np.arange(1, 400) % 23 + 1, [150, 90, 64, 200, 33, 120]])
+FLAGS = ["--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2", "--pool-size", "2", "4",
+         "--head-split", "1", "2", "--block-size", "8", "16", "--num-heads", "4", "--num-kv-heads", "2",
+         "--head-dim", "8", "--num-chunks", "2", "--gpus-per-node", "2", "--attn-tflops", "1e-6",
+         "--intra-node-gbps", "1e-3", "--inter-node-gbps", "5e-4", "--no-progress"]
+KEYS = {"pool_size", "head_split", "block_size", "num_tiles", "inter_pool_imbalance", "intra_pool_imbalance",
+        "straggler_vs_ulysses", "straggler_vs_lower_bound", "bytes_per_layer", "estimated_step_seconds", "baselines"}
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "synthetic.txt"
+    path.write_text("# synthetic long-tailed trace for tests\n" + "\n".join(map(str, SYNTH)) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def report(trace_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "sim.json"
+    assert main(["--trace", trace_path, "--json", str(out)] + FLAGS) == 0
+    return json.loads(out.read_text())
+
+
+def _windows():
+    seqs = pack_documents(SYNTH, 64, "megatron", 1234)
+    return [seqs[w * 8:(w + 1) * 8] for w in range(len(seqs) // 8)]
+
+
+def _rank_link_bytes(plan, rank, heads, node):
+    """(intra, inter) max(sent, received) bytes of one rank, read off its routes' per-peer splits."""
+    rp = plan.for_rank(rank)
+    qb, kvb = heads.q_bytes_per_token(), heads.kv_bytes_per_token()
+    q_send, q_recv = rp.q_route.send_splits, rp.q_route.recv_splits
+    sent = q_send * qb + rp.kv_route.send_splits * kvb + q_recv * qb  # O goes back for every Q unit received
+    recv = q_recv * qb + rp.kv_route.recv_splits * kvb + q_send * qb
+    sent[rank] = recv[rank] = 0
+    same = node == node[rank]
+    return max(sent[same].sum(), recv[same].sum()), max(sent[~same].sum(), recv[~same].sum())
+
+
+def _reference_libra(P, H, B):
+    """Recompute steps, bytes and intra imbalance from plan/ records alone (refined VRSP + Alg. 2)."""
+    layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
+    steps, byte_rows, intra = [], [], []
+    for seqs in _windows():
+        flops = np.array([float((s.astype(float) ** 2).sum()) for s in seqs])
+        order = place_sequences(flops, P, SequencePlacement.REFINED)
+        step_max = np.zeros(2)
+        for k in range(8 // P):
+            tiles = build_tiles([seqs[i] for i in order[k * P:(k + 1) * P]], layout, heads, B)
+            placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+            plan = build_exchange_plan(tiles, placed.assignment)
+            byte_rows.append((plan.bytes_q, plan.bytes_kv, plan.bytes_o))
+            intra.append(placed.loads.max() / placed.loads.mean() - 1)
+            compute = np.bincount(placed.assignment, weights=tiles.tile_flops() * 4 * 8, minlength=2 * P) / 1e6
+            first_gpu = (k % (4 // P)) * P * 2
+            seconds = []
+            node = (first_gpu + np.arange(2 * P)) // 2  # 2 GPUs per node
+            for r in range(2 * P):
+                intra_b, inter_b = _rank_link_bytes(plan, r, heads, node)
+                comm = max(intra_b / 1e6, inter_b / 5e5)  # 1e-3 and 5e-4 GB/s
+                seconds.append(compute[r] + comm - min(comm / 2, compute[r]))
+            step_max[k * P // 4] = max(step_max[k * P // 4], max(seconds))
+        steps.extend(step_max.tolist())
+    return np.array(steps), np.mean(byte_rows, axis=0), float(np.mean(intra))
+
+
+def test_json_has_schema_keys_and_grid(report):
+    assert report["num_windows"] == len(_windows()) >= 2
+    grid = {(c["pool_size"], c["head_split"], c["block_size"]) for c in report["candidates"]}
+    assert grid == {(p, h, b) for p in (2, 4) for h in (1, 2) for b in (8, 16)}
+    for cand in report["candidates"]:
+        assert KEYS <= set(cand)
+        assert set(cand["inter_pool_imbalance"]) >= {"contiguous", "alg1", "placed", "lower_bound"}
+        assert set(cand["bytes_per_layer"]) == {"q", "kv", "o"}
+    assert {"ulysses", "wlb_llm"} <= set(report["baselines"])
+    assert {"pool_size", "head_split", "block_size", "estimated_step_seconds"} <= set(report["recommended"])
+    assert report["assumptions"]["cost"]["gpus_per_node"] == 2
+
+
+def test_inter_pool_imbalance_matches_hand_computation(report):
+    for P in (2, 4):
+        contiguous, alg1 = [], []
+        for seqs in _windows():
+            f = np.array([float((s.astype(float) ** 2).sum()) for s in seqs])
+            pools = f.reshape(-1, P).sum(axis=1)  # sampler order
+            contiguous.append(pools.max() / pools.mean() - 1)
+            order = place_sequences(f, P, SequencePlacement.ALG1)
+            pools = f[order].reshape(-1, P).sum(axis=1)
+            alg1.append(pools.max() / pools.mean() - 1)
+        cand = next(c for c in report["candidates"] if c["pool_size"] == P)
+        assert np.isclose(cand["inter_pool_imbalance"]["contiguous"], np.mean(contiguous))
+        assert np.isclose(cand["inter_pool_imbalance"]["alg1"], np.mean(alg1))
+        assert cand["inter_pool_imbalance"]["lower_bound"] <= cand["inter_pool_imbalance"]["placed"] + 1e-12
+
+
+def _ulysses_steps():
+    steps = []
+    for seqs in _windows():
+        per_seq = []
+        for s in seqs:
+            pairs = float((s * (s + 1) // 2).sum()) * 4  # hq = 4
+            compute = pairs / 2 * 4 * 8 / 1e6  # CP 2, 4*d FLOPs per pair-head, 1 MFLOP/s
+            a2a = 32 * (2 * 4 + 2 * 2) * 8 * 2 / 2  # 32 local tokens, half go to the CP peer (same node)
+            per_seq.append(compute + a2a / 1e6)
+        steps.extend(np.array(per_seq).reshape(2, 4).max(axis=1).tolist())
+    return np.array(steps)
+
+
+@pytest.mark.parametrize("P, H, B", [(2, 1, 8), (4, 2, 16), (4, 1, 8)])
+def test_candidate_matches_independent_plan_recomputation(report, P, H, B):
+    cand = next(c for c in report["candidates"] if (c["pool_size"], c["head_split"], c["block_size"]) == (P, H, B))
+    steps, byte_mean, intra = _reference_libra(P, H, B)
+    uly = _ulysses_steps()
+    assert np.isclose(report["baselines"]["ulysses"]["mean_step_seconds"], uly.mean())
+    assert np.allclose([cand["bytes_per_layer"][k] for k in "q kv o".split()], byte_mean)
+    assert np.isclose(cand["intra_pool_imbalance"], intra)
+    assert np.isclose(cand["estimated_step_seconds"], steps.mean())
+    assert np.isclose(cand["straggler_vs_ulysses"], steps.sum() / uly.sum())
+
+
+def test_recommended_is_argmin_of_estimated_step_time(report):
+    best = min(report["candidates"], key=lambda c: c["estimated_step_seconds"])
+    rec = report["recommended"]
+    assert (rec["pool_size"], rec["head_split"], rec["block_size"]) == (best["pool_size"], best["head_split"], best["block_size"])
+    assert rec["estimated_step_seconds"] == best["estimated_step_seconds"]
+
+
+def test_forked_windows_give_identical_results(trace_path):
+    spec = spec_from_args(build_parser().parse_args(["--trace", trace_path] + FLAGS))
+    one = run_simulation(SYNTH, spec, jobs=1).to_json()
+    two = run_simulation(SYNTH, spec, jobs=2).to_json()
+    for r in (one, two):
+        r.pop("runtime_seconds")
+    assert one == two
+
+
+@pytest.mark.parametrize("change, match", [
+    (["--pool-size", "3"], "--pool-size 3 must divide --dp 4"),
+    (["--head-split", "3"], "--head-split 3 x --num-chunks 2"),
+    (["--gbs", "6"], "--gbs 6 must be divisible by --dp 4"),
+    (["--seq-len", "66"], "--seq-len 66 must be divisible by 4 CP chunks"),
+    (["--block-size", "0"], "--block-size"),
+    (["--tau", "-1"], "--tau"),
+])
+def test_bad_flag_values_raise_value_error_naming_the_flag(trace_path, change, match):
+    flags = list(FLAGS)
+    if change[0] in flags:
+        i = flags.index(change[0])
+        flags[i:i + 2] = change  # the grid flags take lists: replace the first value, drop the rest below
+        while i + 2 < len(flags) and not flags[i + 2].startswith("--"):
+            del flags[i + 2]
+    else:
+        flags += change
+    with pytest.raises(ValueError, match=match):
+        main(["--trace", trace_path] + flags)
+
+
+def test_unknown_enum_value_is_an_argparse_error_naming_the_flag(trace_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--trace", trace_path, "--packing", "zigzag"] + FLAGS)
+    assert "--packing must be one of megatron, best_fit" in capsys.readouterr().err
+
+
+def test_plots_are_written(trace_path, tmp_path):
+    out = tmp_path / "plots"
+    assert main(["--trace", trace_path, "--plots", str(out), "--max-windows", "1", "--no-distca"] + FLAGS) == 0
+    for name in ("inter_pool_imbalance.png", "speedup_heatmap.png", "worst_step_loads.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_sim_and_plan_import_neither_torch_nor_megatron():
+    code = ("import sys, libra_megatron.sim, libra_megatron.sim.__main__, libra_megatron.sim.plots, "
+            "libra_megatron.plan.packing, libra_megatron.plan.traces; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; print(bad); sys.exit(bool(bad))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+def test_flat_calibration_table_reproduces_the_constant_throughput_model(trace_path, tmp_path, report):
+    # every shape at 1e6 FLOP/s, the same as --attn-tflops 1e-6: the estimates must not change
+    entries = [{"block_tokens": t, "heads": h, "pairs": 100, "seconds": 4 * 8 * 100 * h / 1e6}
+               for t in (4, 64) for h in (1, 2, 4)]
+    cal = tmp_path / "flat.json"
+    cal.write_text(json.dumps({"device": "synthetic-flat", "head_dim": 8, "entries": entries}))
+    out = tmp_path / "cal.json"
+    assert main(["--trace", trace_path, "--json", str(out), "--calibration", str(cal)] + FLAGS) == 0
+    calibrated = json.loads(out.read_text())
+    assert calibrated["assumptions"]["cost"]["calibration"]["device"] == "synthetic-flat"
+    for a, b in zip(calibrated["candidates"], report["candidates"]):
+        assert np.isclose(a["estimated_step_seconds"], b["estimated_step_seconds"])
+        assert np.isclose(a["straggler_vs_lower_bound"], b["straggler_vs_lower_bound"])
+
+
+def test_progress_bar_reaches_total_and_is_silent_when_disabled():
+    import io
+
+    from libra_megatron.sim.report import ProgressBar
+
+    on, off = io.StringIO(), io.StringIO()
+    for bar, stream in ((ProgressBar(True, on, width=4), on), (ProgressBar(False, off), off)):
+        for i in range(1, 3):
+            bar(i, 2)
+    assert "[##..] 1/2 windows" in on.getvalue() and "[####] 2/2 windows" in on.getvalue()
+    assert on.getvalue().endswith("\n") and off.getvalue() == ""
+
+
+def test_distca_scope_equals_tap_when_the_pool_is_all_of_dp(report):
+    # P = DP = 4: one pool per GA step in sampler order is exactly what TAP (contiguous + Alg. 2) runs
+    for cand in (c for c in report["candidates"] if c["pool_size"] == 4):
+        assert cand["baselines"]["distca"] == cand["baselines"]["tap"]
+    assert any(c["baselines"]["distca"] != c["baselines"]["tap"] for c in report["candidates"] if c["pool_size"] == 2)

@@ -1,0 +1,97 @@
+"""Trace loading, the time model (calibration interpolation, Pipeliner exposure) and the baselines."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from libra_megatron.plan.traces import load_trace, load_traces
+from libra_megatron.sim.baselines import sequence_pair_heads, ulysses_comm_bytes, wlb_repack
+from libra_megatron.sim.cost import CalibrationTable, CostModel, exposed_comm_seconds
+
+LINUX = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "traces", "linux-6.12-files.qwen.txt")
+
+
+def test_load_trace_skips_comments_and_blank_lines(tmp_path):
+    path = tmp_path / "synthetic.txt"
+    path.write_text("# synthetic trace\n5\n\n  7 \n# more\n0\n")
+    assert load_trace(path).tolist() == [5, 7, 0]
+    assert load_traces([path, path]).tolist() == [5, 7, 0, 5, 7, 0]
+
+
+@pytest.mark.parametrize("body, match", [("5\nabc\n", r":2: expected one integer"), ("5\n-3\n", r":2: .*>= 0")])
+def test_load_trace_rejects_bad_lines_with_line_number(tmp_path, body, match):
+    path = tmp_path / "bad.txt"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
+def test_load_trace_reads_the_real_linux_trace_like_a_manual_parse():
+    if not os.path.isfile(LINUX):
+        pytest.skip("shared traces not present")
+    with open(LINUX) as handle:
+        manual = [int(x) for x in handle if x.strip() and not x.startswith("#")]
+    got = load_trace(LINUX)
+    assert got.dtype == np.int64 and got.tolist() == manual and got.size == 86603
+
+
+def _table():
+    # throughput 100, 200 FLOP/s-units at 1024 / 4096 tokens for 4 heads; 50 / 150 for 1 head
+    entries = []
+    for heads, rates in ((4, (100.0, 200.0)), (1, (50.0, 150.0))):
+        for tokens, rate in zip((1024, 4096), rates):
+            pairs = 1000
+            entries.append({"block_tokens": tokens, "heads": heads, "pairs": pairs,
+                            "seconds": 4 * 64 * pairs * heads / rate})
+    return {"device": "synthetic", "head_dim": 64, "entries": entries}
+
+
+def test_calibration_interpolates_log_linear_and_clamps(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_table()))
+    table = CalibrationTable.from_json(str(path))
+    got = table.flops_per_second(np.array([1024, 2048, 4096, 8192, 512]), 4)
+    assert np.allclose(got, [100, 150, 200, 200, 100])  # 2048 is halfway in log2
+    assert np.allclose(table.flops_per_second(np.array([2048]), 1), [100])
+    assert np.allclose(table.flops_per_second(np.array([2048]), 2), [125])  # halfway between 1 and 4 heads in log2
+    cost = CostModel(head_dim=64, calibration=table)
+    assert np.allclose(cost.compute_seconds([10.0], [4096], 4), [4 * 64 * 10.0 / 200])
+    assert math.isclose(float(cost.peak_compute_seconds(10.0)), 4 * 64 * 10.0 / 200)
+
+
+def test_calibration_errors_name_the_flag(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"device": "x", "entries": []}))
+    with pytest.raises(ValueError, match="--calibration"):
+        CalibrationTable.from_json(str(path))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_table()))
+    with pytest.raises(ValueError, match="--head-dim"):
+        CostModel(head_dim=128, calibration=CalibrationTable.from_json(str(good)))
+
+
+def test_exposed_comm_is_comm_over_m_at_best_and_all_when_no_compute():
+    # comm 8, M 4: hidable 6. compute 10 -> exposed 2 (= comm/M); compute 1 -> 7; compute 0 -> 8
+    got = exposed_comm_seconds([8.0, 8.0, 8.0], [10.0, 1.0, 0.0], 4)
+    assert got.tolist() == [2.0, 7.0, 8.0]
+    cost = CostModel(head_dim=8, intra_node_gbps=2.0, inter_node_gbps=1.0)
+    assert cost.comm_seconds([4e9], [3e9]).tolist() == [3.0]  # max(4/2, 3/1)
+
+
+def test_ulysses_comm_bytes_by_hand():
+    # 64 tokens, CP 4: a rank holds 16 tokens, sends 3/4 of (2*hq + 2*hkv)*d*elem = (8+4)*8*2 = 192 B/token
+    intra, inter = ulysses_comm_bytes([64], 4, 4, 2, 8, 2, gpus_per_node=2)
+    total = 16 * 192 * 3 / 4
+    assert math.isclose(float(intra[0]), total / 3) and math.isclose(float(inter[0]), total * 2 / 3)
+
+
+def test_wlb_repack_by_hand_and_preserves_segments():
+    bins = wlb_repack([np.array([4, 3]), np.array([3, 2])], 2, cap_tokens=100)
+    # 4 -> bin0 (16); 3 -> bin1 (9); 3 -> bin1 (18 > 16? no: bin1 load 9 < 16) ; 2 -> bin0 (16 < 18)
+    assert sorted(map(sorted, (b.tolist() for b in bins))) == [[2, 4], [3, 3]]
+    capped = wlb_repack([np.array([5, 5, 1, 1])], 2, cap_tokens=6)
+    assert sorted(b.sum() for b in capped) == [6, 6]
+    assert sequence_pair_heads([np.array([2, 3])], 4).tolist() == [4 * (3 + 6)]
