@@ -6,6 +6,7 @@ Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedi
 Megatron-style): build_tiles, place_tiles(ALG2), build_exchange_plan (if present) -- one pool's TAP plan.
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
+  1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
 VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
     ("1M H=1", 1024 * 1024, 16, 8192, 1, (128, 4, 256), 50.0),
     ("1M H=2", 1024 * 1024, 16, 8192, 2, (128, 4, 256), 50.0),
     ("1M H=4", 1024 * 1024, 16, 8192, 4, (128, 4, 256), 50.0),
+    ("1M H=4 q8b", 1024 * 1024, 16, 8192, 4, (32, 8, 128), 50.0),  # Qwen3-8B heads
 )
 
 
@@ -77,7 +79,7 @@ def bench_case(segs_by_trace, case, num_pools, reps):
                     times[key].append(val)
         med = {k: float(np.median(v)) for k, v in times.items()}
         total = med["build"] + med["place"] + (0.0 if np.isnan(med["exchange"]) else med["exchange"])
-        print(f"{name:<10}{trace:<10}{int(med['tiles']):>6}{med['build']:>9.2f}{med['place']:>9.2f}"
+        print(f"{name:<11}{trace:<10}{int(med['tiles']):>6}{med['build']:>9.2f}{med['place']:>9.2f}"
               f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>9.2f}{total:>9.2f}{budget:>8.0f}"
               f"{med['place'] / budget:>8.2f}{'  OK' if total <= budget else '  OVER'}")
 
@@ -105,7 +107,7 @@ def main() -> None:
         docs = load_trace(os.path.join(TRACE_DIR, trace))
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
     print(f"exchange plan: {'build_exchange_plan' if build_exchange_plan else 'not available (nan)'}")
-    print(f"{'case':<10}{'trace':<10}{'tiles':>6}{'build':>9}{'place':>9}{'place90':>9}{'exch':>9}"
+    print(f"{'case':<11}{'trace':<10}{'tiles':>6}{'build':>9}{'place':>9}{'place90':>9}{'exch':>9}"
           f"{'total':>9}{'budget':>8}{'pl/bud':>8}   (ms, medians)")
     for case in CASES:
         bench_case(segs_by_trace, case, args.pools, args.reps)

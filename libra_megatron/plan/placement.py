@@ -9,10 +9,12 @@ Eq. 8:  dcomm(t, r) = sum_{g in K(t) \\ C_r} V_g(r) + [r != home(t)] * (V_Q(t) +
     C_r     = KV groups already selected for r (a fetched group is reused by later tiles at r).
 
 Fast exact Algorithm 2. A worker that is not the home of t, holds no fragment of any group of t and
-has none of them resident pays the same (maximal) dcomm = sum_g V_g + V_Q + V_O. So only the home,
-the fragment holders and the residents of K(t) need an exact score; among all other workers only the
-least loaded (lowest id on ties) can win either branch of Algorithm 2. The tests prove bit-equality
-with a direct implementation of Algorithm 2 over all W workers.
+has none of them resident pays the same (maximal) dcomm = sum_g V_g + V_Q + V_O. So only the home and
+the fragment holders (*candidates*, grouped by equal static cost: all 16 holders of a document spanning
+a whole 1M sequence form one group) and the workers where a group of K(t) is resident (*savers*) need a
+score; among all others only the least loaded (lowest id on ties) can win either branch of Algorithm 2.
+In a group only its least-loaded member can win. The tests prove bit-equality with a direct
+implementation of Algorithm 2 over all W workers.
 
 ``comm_bytes`` is recomputed from the final assignment by ``assignment_comm_bytes``: Q and O once per
 migrated tile, KV once per (group, destination) with that destination's V_g(r) -- which is what an
@@ -20,9 +22,9 @@ exchange plan built from the assignment moves, and equals the sum of Eq. 8 along
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from heapq import heappop, heappush
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
@@ -32,7 +34,7 @@ from .tiles import TileSet
 __all__ = ["TilePlacementResult", "place_tiles", "assignment_comm_bytes", "worker_loads"]
 
 _MAX_REFINE_STEPS_PER_WORKER = 4  # REFINED stops after 4*W accepted moves/swaps
-_FEW_RESIDENTS = 16  # score resident workers explicitly up to this many, else scan workers by load
+_FEW_RESIDENTS = 64  # score up to this many savers one by one, else scan workers in (load, id) order
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,18 +79,27 @@ def worker_loads(tiles: TileSet, assignment: np.ndarray) -> np.ndarray:
     return np.bincount(assignment, weights=tiles.tile_flops().astype(np.float64), minlength=tiles.num_workers)
 
 
-def _held_tokens(tiles: TileSet, samples: np.ndarray, workers: np.ndarray) -> np.ndarray:
-    """Tokens of each ``samples[i]`` held by ``workers[i]`` (vectorized over the sample-home CSR)."""
+def _sample_holdings(tiles: TileSet) -> Tuple[np.ndarray, np.ndarray]:
+    """Sorted keys ``sample * W + worker`` of every (sample, holder) pair and the tokens held, int64."""
     W = tiles.num_workers
     owner_sample = np.repeat(np.arange(tiles.num_samples), np.diff(tiles.sample_home_ptr))
     # a worker may hold two zigzag chunks of one sample: sum its entries
     keys, inverse = np.unique(owner_sample * W + tiles.sample_home_worker, return_inverse=True)
     counts = np.bincount(inverse.reshape(-1), weights=tiles.sample_home_count, minlength=keys.size).astype(np.int64)
-    query = samples * W + workers
+    return keys, counts
+
+
+def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """``values`` at ``query`` in the sorted ``keys``, 0 where absent."""
     if keys.size == 0:
         return np.zeros_like(query)
     pos = np.minimum(np.searchsorted(keys, query), keys.size - 1)
-    return np.where(keys[pos] == query, counts[pos], 0)
+    return np.where(keys[pos] == query, values[pos], 0)
+
+
+def _held_tokens(tiles: TileSet, samples: np.ndarray, workers: np.ndarray) -> np.ndarray:
+    """Tokens of each ``samples[i]`` held by ``workers[i]`` (vectorized over the sample-home CSR)."""
+    return _lookup(*_sample_holdings(tiles), samples * tiles.num_workers + workers)
 
 
 def assignment_comm_bytes(tiles: TileSet, assignment) -> Tuple[int, int, int]:
@@ -128,20 +139,25 @@ def _tile_order(tile_flops: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- per-block static data
 @dataclass
 class _Static:
-    """Per-block Python lists the greedy loop reads (built once, mostly vectorized).
+    """Per-block Python lists the greedy loop reads (built once, vectorized up to the final lists).
 
+    The *candidates* of a block are its home and the workers holding a fragment of its samples: every
+    other worker costs ``worst`` unless a shared group of the tile is resident there (a *saver*).
     A sample inside one block is *private*: its groups are referenced by one tile only, so C_r never
     holds them when that tile is scored and their Eq. 8 term is the static V_g(r). Only *shared*
     samples (at most the first and last fragment of a block) need residency tracking.
     """
 
-    full_bytes: List[int]  # sum over the block's samples of sample_len * kv_bytes_per_token
-    held_bytes: List[Dict[int, int]]  # worker -> bytes of the block's samples it holds
-    shared: List[List[int]]  # the block's samples that other blocks reference too
-    home_partial: List[List[int]]  # shared samples the block's home holds only partly
-    sample_full: Dict[int, int]  # shared sample -> len * kv bytes
-    sample_held: Dict[int, Dict[int, int]]  # shared sample -> worker -> bytes held
-    base_scores: List[Optional[Dict[int, int]]]  # Eq. 8 of the home and holders, residency aside (lazy)
+    homes: List[int]
+    qo_bytes: List[int]  # V_Q + V_O of one tile of the block
+    worst: List[int]  # Eq. 8 of a worker that is not the home and holds nothing: sum_g V_g + V_Q + V_O
+    groups: List[List[Tuple[int, List[int]]]]  # candidates grouped by equal cost: ascending cost, then id
+    cost: Dict[int, int]  # block * W + candidate -> its Eq. 8 cost, residency aside
+    shared_groups: List[List[int]]  # per block: s * H of its shared samples s (group of head h: + h)
+    home_adds: List[List[Tuple[int, int]]]  # (s * H, V_g(home)) of shared groups the home holds only partly
+    away_adds: List[tuple]  # (s * H, s * W, len_s * kv bytes, V_g(home)) of its shared samples
+    held_bytes: Dict[int, int]  # shared sample * W + worker -> kv bytes the worker holds (absent: 0)
+    all_shared_groups: List[int]  # every shared group id
 
 
 def _expand_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -151,176 +167,243 @@ def _expand_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts, counts) + np.arange(total, dtype=np.int64) - offsets
 
 
-def _block_held_bytes(tiles: TileSet, kvb: int) -> List[Dict[int, int]]:
-    """For every block: worker -> bytes of the block's samples' K/V the worker holds."""
+def _block_held_tokens(tiles: TileSet) -> np.ndarray:
+    """float64 [num_blocks * W]: tokens of the block's samples held by each worker (key block*W + w)."""
     W, nb = tiles.num_workers, tiles.num_blocks
     frag_block = np.repeat(np.arange(nb, dtype=np.int64), np.diff(tiles.frag_ptr))
     per_sample = np.diff(tiles.sample_home_ptr)[tiles.frag_sample]
     entry = _expand_ranges(tiles.sample_home_ptr[tiles.frag_sample], per_sample)
     keys = np.repeat(frag_block, per_sample) * W + tiles.sample_home_worker[entry]
-    held = np.bincount(keys, weights=tiles.sample_home_count[entry], minlength=nb * W)
-    nonzero = np.flatnonzero(held)
-    bounds = np.searchsorted(nonzero, np.arange(nb + 1, dtype=np.int64) * W).tolist()
-    workers, vals = (nonzero % W).tolist(), (held[nonzero].astype(np.int64) * kvb).tolist()
-    return [dict(zip(workers[bounds[b] : bounds[b + 1]], vals[bounds[b] : bounds[b + 1]])) for b in range(nb)]
+    return np.bincount(keys, weights=tiles.sample_home_count[entry], minlength=nb * W)
 
 
-def _shared_ends(tiles: TileSet, is_shared: np.ndarray):
-    """Per block: its shared samples (first and/or last fragment) and those its home holds only partly."""
+def _candidate_rows(tiles: TileSet, qo: np.ndarray, full: np.ndarray):
+    """Keys block*W + worker of all candidates and their Eq. 8 costs, sorted by (block, cost, worker)."""
+    W, nb = tiles.num_workers, tiles.num_blocks
+    held = _block_held_tokens(tiles)
+    is_candidate = held > 0
+    is_candidate[np.arange(nb, dtype=np.int64) * W + tiles.block_home] = True
+    key = np.flatnonzero(is_candidate)
+    block = key // W
+    away = key != block * W + tiles.block_home[block]
+    cost = full[block] - held[key].astype(np.int64) * tiles.heads.kv_bytes_per_token() + qo[block] * away
+    order = np.lexsort((key, cost, block))
+    return key[order], cost[order]
+
+
+def _candidate_groups(tiles: TileSet, key: np.ndarray, cost: np.ndarray):
+    """Per block: its candidates grouped by equal cost (see ``_Static.groups``)."""
+    W, nb = tiles.num_workers, tiles.num_blocks
+    block = key // W
+    starts = np.flatnonzero(np.diff(block, prepend=-1) | np.diff(cost, prepend=-1))
+    ends = np.append(starts[1:], key.size).tolist()
+    workers = (key - block * W).tolist()
+    groups = [(c, workers[a:e]) for c, a, e in zip(cost[starts].tolist(), starts.tolist(), ends)]
+    bounds = np.searchsorted(block[starts], np.arange(nb + 1)).tolist()
+    return [groups[bounds[b] : bounds[b + 1]] for b in range(nb)]
+
+
+def _shared_ends(tiles: TileSet, is_shared: np.ndarray, holdings):
+    """Per block, for its shared samples s (first and/or last fragment): the group bases s*H; the
+    (s*H, V_g(home)) of those its home holds only partly; and (s*H, s*W, len_s * kv bytes) of all."""
+    W, H, kvb = tiles.num_workers, tiles.head_split, tiles.heads.kv_bytes_per_token()
     first = tiles.frag_sample[tiles.frag_ptr[:-1]]
     last = tiles.frag_sample[tiles.frag_ptr[1:] - 1]
-    use_first, use_last = is_shared[first], is_shared[last] & (last != first)
-    part_first = use_first & (_held_tokens(tiles, first, tiles.block_home) < tiles.sample_len[first])
-    part_last = use_last & (_held_tokens(tiles, last, tiles.block_home) < tiles.sample_len[last])
-    rows = zip(first.tolist(), last.tolist(), use_first.tolist(), use_last.tolist(), part_first.tolist(), part_last.tolist())
-    shared, partial = [], []
-    for a, e, ua, ue, pa, pe in rows:
-        shared.append([a, e] if ua and ue else [a] if ua else [e] if ue else [])
-        partial.append([a, e] if pa and pe else [a] if pa else [e] if pe else [])
-    return shared, partial
+    use_last = is_shared[last] & (last != first)
+    columns = []
+    for s in (first, last):
+        home_missing = (tiles.sample_len[s] - _lookup(*holdings, s * W + tiles.block_home)) * kvb
+        columns += [(s * H).tolist(), (s * W).tolist(), (tiles.sample_len[s] * kvb).tolist(), home_missing.tolist()]
+    shared_groups, home_adds, away_adds = [], [], []
+    for ua, ue, ga, ka, fa, ma, ge, ke, fe, me in zip(is_shared[first].tolist(), use_last.tolist(), *columns):
+        ends = ((ga, ka, fa, ma), (ge, ke, fe, me)) if ua and ue else ((ga, ka, fa, ma),) if ua else (
+            ((ge, ke, fe, me),) if ue else ())
+        shared_groups.append([g for g, _, _, _ in ends])
+        home_adds.append([(g, m) for g, _, _, m in ends if m > 0])
+        away_adds.append(ends)
+    return shared_groups, home_adds, away_adds
 
 
 def _static_data(tiles: TileSet) -> _Static:
-    kvb = tiles.heads.kv_bytes_per_token()
+    kvb, W, H = tiles.heads.kv_bytes_per_token(), tiles.num_workers, tiles.head_split
     full = np.add.reduceat(tiles.sample_len[tiles.frag_sample], tiles.frag_ptr[:-1]) * kvb
+    qo = 2 * (tiles.block_end - tiles.block_start) * tiles.heads.q_bytes_per_token()
     is_shared = np.bincount(tiles.frag_sample, minlength=tiles.num_samples) > 1
-    ptr, hw, hc = tiles.sample_home_ptr.tolist(), tiles.sample_home_worker.tolist(), tiles.sample_home_count.tolist()
-    sample_full, sample_held = {}, {}
-    for s in np.flatnonzero(is_shared).tolist():
-        sample_full[s] = int(tiles.sample_len[s]) * kvb
-        held = sample_held[s] = {}
-        for i in range(ptr[s], ptr[s + 1]):  # a worker may hold two zigzag chunks of one sample
-            held[hw[i]] = held.get(hw[i], 0) + hc[i] * kvb
-    shared, partial = _shared_ends(tiles, is_shared)
-    return _Static(full.tolist(), _block_held_bytes(tiles, kvb), shared, partial, sample_full, sample_held,
-                   [None] * tiles.num_blocks)
+    holdings = _sample_holdings(tiles)
+    keep = is_shared[holdings[0] // W]
+    shared_groups, home_adds, away_adds = _shared_ends(tiles, is_shared, holdings)
+    key, cost = _candidate_rows(tiles, qo, full)
+    return _Static(
+        homes=tiles.block_home.tolist(), qo_bytes=qo.tolist(), worst=(full + qo).tolist(),
+        groups=_candidate_groups(tiles, key, cost), cost=dict(zip(key.tolist(), cost.tolist())),
+        shared_groups=shared_groups, home_adds=home_adds, away_adds=away_adds,
+        held_bytes=dict(zip(holdings[0][keep].tolist(), (holdings[1][keep] * kvb).tolist())),
+        all_shared_groups=(np.flatnonzero(is_shared)[:, None] * H + np.arange(H)).reshape(-1).tolist(),
+    )
 
 
 # --------------------------------------------------------------------------- Algorithm 2
-class _LoadIndex:
-    """Worker loads plus the workers sorted by (load, id), kept sorted under ``add``."""
+def _resident_savings(shared_groups: List[int], resident: Dict[int, Dict[int, int]], head: int) -> Dict[int, int]:
+    """worker -> Eq. 8 bytes it saves because shared groups of the tile are in its C_r (read-only)."""
+    first = resident[shared_groups[0] + head]
+    if len(shared_groups) == 1:
+        return first
+    second = resident[shared_groups[1] + head]
+    if not first or not second:
+        return first or second
+    merged = dict(first)
+    for w, saved in second.items():
+        merged[w] = merged.get(w, 0) + saved
+    return merged
 
-    def __init__(self, num_workers: int) -> None:
+
+class _Greedy:
+    """Algorithm 2 state: worker loads, a lazy min-heap of keys ``load * W + w`` (entries whose load is
+    out of date are dropped when they surface), and the resident groups C_r."""
+
+    def __init__(self, st: _Static, num_workers: int, head_split: int, cap: float) -> None:
+        self.st, self.num_workers, self.head_split, self.cap = st, num_workers, head_split, cap
         self.loads = [0] * num_workers
-        self.sorted = [(0, w) for w in range(num_workers)]
+        self.heap = list(range(num_workers))  # all loads 0: sorted, so a valid heap
+        # shared group -> worker -> V_g(worker) for the workers that have it in C_r
+        self.resident: Dict[int, Dict[int, int]] = {g: {} for g in st.all_shared_groups}
+        self.fallbacks = self.kv_bytes = self.qo_bytes = 0
 
-    def add(self, worker: int, amount: int) -> None:
-        old = (self.loads[worker], worker)
-        del self.sorted[bisect.bisect_left(self.sorted, old)]
-        self.loads[worker] += amount
-        bisect.insort(self.sorted, (self.loads[worker], worker))
+    def place_block(self, block: int, f: int, assignment: List[int]) -> None:
+        """Algorithm 2 lines 5-12 for the H tiles of ``block`` (consecutive in the (-f_t, t) order).
 
+        Line 7 (feasible argmin (dcomm, L, r)) is inlined because it runs once per tile: first the
+        savers, each scored exactly; then the candidate groups in ascending cost, each represented by
+        its least-loaded member -- a saver inside a group of cost c <= the best saver's cost cannot be
+        feasible (it would beat that saver), so it never hides a better member. Every candidate and
+        saver costs less than ``worst``, so other workers only matter if none of them is feasible.
+        """
+        st, H, W = self.st, self.head_split, self.num_workers
+        shared, groups, home, home_adds = st.shared_groups[block], st.groups[block], st.homes[block], st.home_adds[block]
+        loads, heap, cap, resident = self.loads, self.heap, self.cap, self.resident
+        cost_of, offset, worst = st.cost, block * W, st.worst[block]
+        for head in range(H):
+            savings = _resident_savings(shared, resident, head) if shared else None
+            best = None
+            if savings and len(savings) > _FEW_RESIDENTS:
+                best = self._best_saver_by_load(block, savings, f)
+            elif savings:
+                for w, saved in savings.items():  # ``_best_of``, inlined
+                    load = loads[w]
+                    if load + f <= cap:
+                        score = (cost_of.get(offset + w, worst) - saved, load, w)
+                        if best is None or score < best:
+                            best = score
+            for c, workers in groups:
+                if best is not None and best[0] < c:
+                    break
+                w = workers[0] if len(workers) == 1 else min(workers, key=loads.__getitem__)
+                if loads[w] + f <= cap:
+                    if best is None or (c, loads[w], w) < best:
+                        best = (c, loads[w], w)
+                    break
+            cost, _, worker = best if best is not None else self._least_loaded(block, savings or {}, f)
+            assignment[block * H + head] = worker
+            loads[worker] += f
+            heappush(heap, loads[worker] * W + worker)
+            if worker == home:  # C_home |= K(t): only groups the home holds partly can ever cost there
+                self.kv_bytes += cost
+                for group, missing in home_adds:
+                    resident[group + head].setdefault(worker, missing)
+            else:
+                self._add_remote(block, head, worker, cost)
 
-def _score_specials(st: _Static, block: int, home: int, qo: int, shared_res) -> Dict[int, int]:
-    """Exact Eq. 8 for the home, the holders of any fragment of the tile's groups and -- when there
-    are few -- the workers where a shared group is resident (else ``_scan_others`` finds those)."""
-    full = st.full_bytes[block]
-    base = st.base_scores[block]
-    if base is None:  # shared by the H tiles of the block
-        base = {w: full - v + qo for w, v in st.held_bytes[block].items()}
-        base[home] = base.get(home, full + qo) - qo
-        st.base_scores[block] = base
-    scores = dict(base)
-    if shared_res and sum(len(res) for _, res in shared_res) <= _FEW_RESIDENTS:
-        for _, res in shared_res:
-            for w in res:
-                scores.setdefault(w, full + qo)
-    for _, res in shared_res:
-        for w in scores:
-            scores[w] -= res.get(w, 0)
-    return scores
+    def _best_of(self, block: int, savings: Dict[int, int], f: int):
+        """Feasible argmin (dcomm, L, r) over the workers of ``savings``, each scored directly."""
+        offset, worst, cost_of, loads, cap = block * self.num_workers, self.st.worst[block], self.st.cost, self.loads, self.cap
+        best = None
+        for w, saved in savings.items():
+            load = loads[w]
+            if load + f <= cap:
+                key = (cost_of.get(offset + w, worst) - saved, load, w)
+                if best is None or key < best:
+                    best = key
+        return best
 
+    def _best_saver_by_load(self, block: int, savings: Dict[int, int], f: int):
+        """Best feasible saver when there are many: candidates exactly, the others scanned in (load, id) order.
 
-def _has_non_special(res: Dict[int, int], specials) -> bool:
-    return len(res) > len(specials) or any(w not in specials for w in res)
-
-
-def _cost_floor(specials, shared_res, worst: int) -> int:
-    """Least Eq. 8 cost any non-special worker can have: ``worst`` minus the shared groups resident on it."""
-    if len(shared_res) == 1:  # the common case
-        full, res = shared_res[0]
-        return worst - full if _has_non_special(res, specials) else worst
-    reach = [(full, res) for full, res in shared_res if _has_non_special(res, specials)]
-    if len(reach) == 2:
-        (full_a, res_a), (full_b, res_b) = sorted(reach, key=lambda item: len(item[1]))
-        if any(w in res_b and w not in specials for w in res_a):
-            return worst - full_a - full_b
-    return worst - max((full for full, _ in reach), default=0)
-
-
-def _scan_others(order, specials, shared_res, worst: int, f: int, cap: float):
-    """Best non-special workers for both branches of Algorithm 2, scanning in (load, id) order.
-
-    A non-special worker holds nothing of the tile, so its Eq. 8 cost is ``worst`` minus the full
-    V_g of each shared group already resident there; ``floor`` is the least such cost. The scan stops
-    once nothing later can win: a feasible worker at the floor, or the first infeasible load level.
-    Returns (best feasible (c, L, w) or None, best fallback (L, c, w) or None).
-    """
-    floor = _cost_floor(specials, shared_res, worst) if shared_res else worst
-    feasible = fallback = None
-    for load, w in order:
-        if w in specials:
-            continue
-        cost = worst
-        for full, res in shared_res:  # empty for most tiles
-            if w in res:
-                cost -= full
-        if fallback is None or (load, cost, w) < fallback:
-            fallback = (load, cost, w)
-        if load + f <= cap:
-            if feasible is None or (cost, load, w) < feasible:
-                feasible = (cost, load, w)
-            if feasible[0] <= floor:
+        A saver that is no candidate costs ``worst`` minus its savings, at least ``floor``; the scan stops
+        at the first infeasible load or at a feasible saver at the floor (later ones have a higher load).
+        """
+        W, groups = self.num_workers, self.st.groups[block]
+        candidates = {w for _, ws in groups for w in ws}
+        best = self._best_of(block, {w: savings[w] for w in candidates if w in savings}, f)
+        worst = self.st.worst[block]
+        floor = worst - max(savings.values())
+        for key in self._sorted_keys():
+            load, w = divmod(key, W)
+            if load + f > self.cap:
                 break
-        elif feasible is not None or load > fallback[0]:
-            break
-    return feasible, fallback
+            if w in candidates or w not in savings:
+                continue
+            cand = (worst - savings[w], load, w)
+            if best is None or cand < best:
+                best = cand
+            if cand[0] <= floor:
+                break
+        return best
 
+    def _least_loaded(self, block: int, savings: Dict[int, int], f: int):
+        """No candidate or saver is feasible; all other workers cost ``worst``. So the least-loaded worker
+        wins if feasible (it is none of them then); else Algorithm 2 line 10: argmin (L, dcomm, r).
+        Returns (cost, load, worker)."""
+        W, worst, heap, loads = self.num_workers, self.st.worst[block], self.heap, self.loads
+        while loads[heap[0] % W] != heap[0] // W:
+            heappop(heap)
+        load, w = divmod(heap[0], W)
+        if load + f <= self.cap:
+            return worst, load, w
+        self.fallbacks += 1
+        offset, best = block * W, None
+        for w in range(W):  # ascending id: the first of equal cost wins
+            if loads[w] != load:
+                continue
+            cost = self.st.cost.get(offset + w, worst) - savings.get(w, 0)
+            if best is None or cost < best[0]:
+                best = (cost, load, w)
+        return best
 
-def _choose(specials: Dict[int, int], others, loads: List[int], f: int, cap: float):
-    """Algorithm 2 lines 6-11: (worker, its Eq. 8 cost, fell_back)."""
-    feasible, fallback = others
-    for w, c in specials.items():
-        if loads[w] + f <= cap and (feasible is None or (c, loads[w], w) < feasible):
-            feasible = (c, loads[w], w)
-    if feasible is not None:
-        return feasible[2], feasible[0], False
-    for w, c in specials.items():
-        if fallback is None or (loads[w], c, w) < fallback:
-            fallback = (loads[w], c, w)
-    return fallback[2], fallback[1], True
+    def _sorted_keys(self) -> List[int]:
+        """Keys ``load * W + w`` of all workers in (load, id) order."""
+        return sorted(load * self.num_workers + w for w, load in enumerate(self.loads))
+
+    def _add_remote(self, block: int, head: int, worker: int, cost: int) -> None:
+        """Count a migrated tile's Eq. 8 bytes and add its shared groups to C_worker (Algorithm 2 line 12).
+
+        Private groups are never referenced again and fully held ones never cost, so they are not tracked.
+        """
+        qo, held = self.st.qo_bytes[block], self.st.held_bytes
+        self.qo_bytes += qo
+        self.kv_bytes += cost - qo
+        for group, key, full, _ in self.st.away_adds[block]:
+            missing = full - held.get(key + worker, 0)
+            if missing > 0:
+                self.resident[group + head].setdefault(worker, missing)
 
 
 def _place_alg2(tiles: TileSet, tau: float):
-    """Algorithm 2 over the tiles in (-f_t, t) order. Returns (assignment, C, fallbacks, comm_bytes)."""
+    """Algorithm 2 over the tiles in (-f_t, t) order. Returns (assignment, C, fallbacks, comm_bytes).
+
+    The H tiles of a block share f_t and are consecutive in that order, so it is walked block by block.
+    """
     f_all = tiles.tile_flops()
     W, H = tiles.num_workers, tiles.head_split
     cap = _capacity(f_all, W, tau)
-    st = _static_data(tiles)
-    homes = tiles.block_home.tolist()
-    q_per_block = ((tiles.block_end - tiles.block_start) * tiles.heads.q_bytes_per_token()).tolist()
-    index, resident = _LoadIndex(W), {}
-    assignment, f_list = [0] * tiles.num_tiles, f_all.tolist()
-    fallbacks = kv_bytes = q_bytes = 0
-    for t in _tile_order(f_all).tolist():
-        block, head = divmod(t, H)
-        home, qo, f = homes[block], 2 * q_per_block[block], f_list[t]
-        shared_res = [(st.sample_full[s], res) for s in st.shared[block] if (res := resident.get(s * H + head))]
-        specials = _score_specials(st, block, home, qo, shared_res)
-        others = _scan_others(index.sorted, specials, shared_res, st.full_bytes[block] + qo, f, cap)
-        worker, cost, fell_back = _choose(specials, others, index.loads, f, cap)
-        fallbacks += fell_back
-        assignment[t] = worker
-        index.add(worker, f)
-        migrated = worker != home
-        q_bytes += q_per_block[block] if migrated else 0
-        kv_bytes += cost - (qo if migrated else 0)
-        # C_r |= K(t); private groups are never referenced again, fully held ones never cost
-        for s in st.shared[block] if migrated else st.home_partial[block]:
-            missing = st.sample_full[s] - st.sample_held[s].get(worker, 0)
-            if missing > 0:
-                resident.setdefault(s * H + head, {}).setdefault(worker, missing)
-    return np.asarray(assignment, dtype=np.int64), cap, fallbacks, (q_bytes, kv_bytes, q_bytes)
+    greedy = _Greedy(_static_data(tiles), W, H, cap)
+    f_block = f_all[::H]
+    block_order = _tile_order(f_block)
+    assignment = [0] * tiles.num_tiles
+    for block, f in zip(block_order.tolist(), f_block[block_order].tolist()):
+        greedy.place_block(block, f, assignment)
+    q_bytes = greedy.qo_bytes // 2
+    comm = (q_bytes, greedy.kv_bytes, q_bytes)
+    return np.asarray(assignment, dtype=np.int64), cap, greedy.fallbacks, comm
 
 
 # --------------------------------------------------------------------------- refinement

@@ -48,39 +48,45 @@ def _place_contiguous(flops: np.ndarray, pool_size: int) -> np.ndarray:
 
 
 def _place_alg1(flops: np.ndarray, pool_size: int) -> np.ndarray:
-    """Algorithm 1 line by line. Stable sort of -F gives (decreasing F, increasing i)."""
+    """Algorithm 1 line by line. Stable sort of -F gives (decreasing F, increasing i).
+
+    Heap entries (load_k, k) are distinct, so replacing the popped root (``heapreplace``) pops the same
+    pools in the same order as a pop followed by a push.
+    """
     num_pools = flops.size // pool_size
     by_weight = np.argsort(-flops, kind="stable")
     heap = [(0.0, k) for k in range(num_pools)]  # already a valid heap: sorted
     members = [[] for _ in range(num_pools)]
     weights = flops.tolist()
     for i in by_weight.tolist():
-        load, k = heapq.heappop(heap)
+        load, k = heap[0]
         members[k].append(i)
         if len(members[k]) < pool_size:
-            heapq.heappush(heap, (load + weights[i], k))
+            heapq.heapreplace(heap, (load + weights[i], k))
+        else:
+            heapq.heappop(heap)
     return np.asarray(members, dtype=np.int64).reshape(-1)
 
 
-def _best_swap(grid: np.ndarray, weights: np.ndarray, loads: np.ndarray, heavy: int):
+def _best_swap(weights: np.ndarray, loads: np.ndarray, heavy: int, heavy_load: float):
     """Best single swap between pool ``heavy`` and one of the lightest pools: (new pair max, a, pool, b).
 
-    Swapping item a of the heavy pool with item b of pool k moves d = F_a - F_b > 0 of work and
-    leaves loads (L_h - d, L_k + d); the smallest max(...) wins, first index on ties. Partners are
-    the ``_SWAP_PARTNERS`` lightest pools (all pools when K is at most that), which keeps a step
-    O(P^2 * partners) at GBS=1024.
+    ``weights`` (K, P) holds F of every pool member. Swapping item a of the heavy pool with item b of
+    pool k moves d = F_a - F_b of work and leaves loads (L_h - d, L_k + d); the smallest max(...) wins,
+    first index in (a, partner, b) order on ties. Partners are the ``_SWAP_PARTNERS`` lightest pools
+    (all pools when K is at most that), which keeps a step O(P^2 * partners) at GBS=1024. Swaps with
+    d <= 0 are not masked: they score max(...) >= L_h, so they never pass the caller's ``< L_h`` test
+    and never tie with a swap that does.
     """
-    partners = np.argsort(loads, kind="stable")[:_SWAP_PARTNERS]
-    partners = partners[partners != heavy]
-    heavy_w = weights[grid[heavy]]
-    other_w = weights[grid[partners]].reshape(-1)
-    other_load = np.repeat(loads[partners], grid.shape[1])
-    delta = heavy_w[:, None] - other_w[None, :]
-    pair_max = np.maximum(loads[heavy] - delta, other_load[None, :] + delta)
-    pair_max[delta <= 0] = np.inf
-    best = int(np.argmin(pair_max))
-    slot_a, flat_b = divmod(best, other_w.size)
-    pool_index, slot_b = divmod(flat_b, grid.shape[1])
+    partners = loads.argsort(kind="stable")[:_SWAP_PARTNERS]
+    if not loads[partners[-1]] < heavy_load:  # else the heaviest pool is not among them
+        partners = partners[partners != heavy]
+    pool_size = weights.shape[1]
+    delta = weights[heavy][:, None] - weights[partners].reshape(1, -1)
+    pair_max = np.maximum(heavy_load - delta, loads[partners].repeat(pool_size) + delta)
+    best = int(pair_max.argmin())
+    slot_a, flat_b = divmod(best, delta.shape[1])
+    pool_index, slot_b = divmod(flat_b, pool_size)
     return float(pair_max.flat[best]), slot_a, int(partners[pool_index]), slot_b
 
 
@@ -89,17 +95,26 @@ def _refine_by_swaps(flops: np.ndarray, order: np.ndarray, pool_size: int) -> np
     grid = order.reshape(-1, pool_size).copy()
     if grid.shape[0] < 2:
         return order
-    loads = flops[grid].sum(axis=1)
+    weights = flops[grid]
+    loads = weights.sum(axis=1)
     for _ in range(_MAX_SWAPS_PER_POOL * grid.shape[0]):
-        heavy = int(np.argmax(loads))
-        pair_max, slot_a, other, slot_o = _best_swap(grid, flops, loads, heavy)
-        if not pair_max < loads[heavy]:
+        heavy = int(loads.argmax())
+        heavy_load = float(loads[heavy])
+        pair_max, slot_a, other, slot_o = _best_swap(weights, loads, heavy, heavy_load)
+        if not pair_max < heavy_load:
             break
-        moved = flops[grid[heavy, slot_a]] - flops[grid[other, slot_o]]
-        grid[heavy, slot_a], grid[other, slot_o] = grid[other, slot_o], grid[heavy, slot_a]
-        loads[heavy] -= moved
-        loads[other] += moved
+        _swap(grid, weights, loads, (heavy, slot_a), (other, slot_o))
     return grid.reshape(-1)
+
+
+def _swap(grid: np.ndarray, weights: np.ndarray, loads: np.ndarray, a: Tuple[int, int], b: Tuple[int, int]) -> None:
+    """Exchange the sequences at grid cells ``a`` and ``b`` and move their weight difference between pools."""
+    weight_a, weight_b = float(weights[a]), float(weights[b])
+    moved = weight_a - weight_b
+    grid[a], grid[b] = grid[b], grid[a]
+    weights[a], weights[b] = weight_b, weight_a
+    loads[a[0]] -= moved
+    loads[b[0]] += moved
 
 
 def _place_refined(flops: np.ndarray, pool_size: int) -> np.ndarray:

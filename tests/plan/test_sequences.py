@@ -67,8 +67,19 @@ def test_vrsp_preserves_step_multiset_and_refined_never_worse(case):
         np.testing.assert_allclose(np.sort(flops[order]), np.sort(flops))
         assert loads[method].max() >= pool_lower_bound_counting(flops, pool_size) - 1e-6
     assert loads[SequencePlacement.REFINED].max() <= loads[SequencePlacement.ALG1].max()
-    assert loads[SequencePlacement.ALG1].max() <= loads[SequencePlacement.CONTIGUOUS].max() or pool_size == 1
+    # Alg. 1 is a heuristic: it is NOT guaranteed to beat the sampler's contiguous order on every input
+    # (see test_alg1_can_lose_to_contiguous_order), so no such assertion here.
     np.testing.assert_array_equal(place_sequences(flops, pool_size), place_sequences(flops, pool_size))
+
+
+def test_alg1_can_lose_to_contiguous_order():
+    # Found by hypothesis: exact-cardinality LPT is a heuristic, so the contiguous order can be better.
+    flops = np.array([0, 0, 0, 0, 0, 4, 4, 65536, 0, 0, 0, 0, 0, 0, 5, 65537], dtype=np.float64)
+    contiguous = pool_loads(flops, place_sequences(flops, 8, "contiguous"), 8).max()
+    alg1 = pool_loads(flops, place_sequences(flops, 8, "alg1"), 8).max()
+    refined = pool_loads(flops, place_sequences(flops, 8, "refined"), 8).max()
+    assert (contiguous, alg1) == (65544.0, 65545.0)
+    assert refined <= alg1
 
 
 def test_refined_reaches_optimum_where_alg1_does_not():
