@@ -23,9 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from libra_megatron.config import SequencePlacement, TilePlacement, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
+from libra_megatron.plan.packing import pack_documents  # noqa: E402
 from libra_megatron.plan.placement import place_tiles  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences, pool_loads  # noqa: E402
 from libra_megatron.plan.tiles import build_tiles  # noqa: E402
+from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.plan.workload import (  # noqa: E402
     imbalance,
     pool_lower_bound,
@@ -34,7 +36,6 @@ from libra_megatron.plan.workload import (  # noqa: E402
     worker_lower_bound,
 )
 
-TRACE_DIR = "/work/shared/data/traces"
 TRACES = ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt")
 SETTINGS = (  # name, L, GBS, CP, B, (hq, hkv, d)
     ("256K", 256 * 1024, 128, 8, 4096, (128, 16, 256)),
@@ -43,37 +44,9 @@ SETTINGS = (  # name, L, GBS, CP, B, (hq, hkv, d)
 POOL_SIZE = 8
 
 
-def load_trace(path: str) -> np.ndarray:
-    """Document lengths (int64) of a trace file; '#' lines are comments."""
-    with open(path, "r", encoding="utf-8") as handle:
-        return np.array([int(x) for x in handle if x.strip() and not x.startswith("#")], dtype=np.int64)
-
-
-def pack_megatron(doc_lens, seq_len: int, seed: int):
-    """GPTDataset-style packing: shuffle documents (fixed seed), concatenate, cut every ``seq_len`` tokens.
-
-    Returns a list of int64 arrays, the sample (document-piece) lengths of each full packed sequence;
-    documents crossing a cut are split. The incomplete tail is dropped.
-    """
-    docs = np.asarray(doc_lens, dtype=np.int64)
-    docs = docs[np.random.default_rng(seed).permutation(docs.size)]
-    ends = np.cumsum(docs)
-    num_seqs = int(ends[-1] // seq_len)
-    cuts = np.union1d(np.concatenate([[0], ends]), np.arange(0, (num_seqs + 1) * seq_len, seq_len))
-    cuts = cuts[cuts <= num_seqs * seq_len]
-    pieces, owner = np.diff(cuts), cuts[:-1] // seq_len
-    bounds = np.searchsorted(owner, np.arange(num_seqs + 1))
-    return [pieces[bounds[i] : bounds[i + 1]] for i in range(num_seqs)]
-
-
 def pack(doc_lens, seq_len: int, seed: int = 1234):
-    """Use the project packer when it exists, else the local one."""
-    try:
-        from libra_megatron.plan.packing import pack_documents  # type: ignore
-
-        return [np.asarray(s, dtype=np.int64) for s in pack_documents(doc_lens, seq_len, "megatron", seed)]
-    except ImportError:
-        return pack_megatron(doc_lens, seq_len, seed)
+    """GPTDataset-style packing (``plan.packing``, megatron mode) as int64 segment arrays."""
+    return [np.asarray(seg, dtype=np.int64) for seg in pack_documents(doc_lens, seq_len, "megatron", seed)]
 
 
 def inter_pool(flops: np.ndarray, gbs: int):
@@ -121,7 +94,7 @@ def main() -> None:
           f"{'LB':>8}{'LBcount':>9}")
     intra_rows = []
     for trace in TRACES:
-        docs = load_trace(os.path.join(TRACE_DIR, trace))
+        docs = load_trace(find_trace(trace))
         for name, seq_len, gbs, cp, block, head_dims in SETTINGS:
             segs = pack(docs, seq_len)
             flops = sequence_flops(segs)

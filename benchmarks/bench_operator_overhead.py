@@ -32,7 +32,9 @@ from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.runtime import ExchangeStats, VarlenBatch, libra_attn_func, varlen_attn_func  # noqa: E402
 from libra_megatron.testing.dist import free_port  # noqa: E402
 
-TRACE = "/work/shared/data/traces/linux-6.12-files.qwen.txt"
+from libra_megatron.plan.traces import find_trace
+
+TRACE = find_trace("linux-6.12-files.qwen.txt")
 
 
 def packed_segments(seq_len: int, seed: int):

@@ -19,7 +19,9 @@ from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.plan.validate import validate_plan
 
-TRACE = "/work/shared/data/traces/linux-6.12-files.qwen.txt"
+from libra_megatron.plan.traces import find_trace
+
+TRACE = find_trace("linux-6.12-files.qwen.txt")
 SHAPES = {  # name: (L, P, CP, B, H, M, budget_ms for the whole pool plan)
     "1M": (1 << 20, 8, 16, 8192, 4, 2, 50.0),
     "256K": (1 << 18, 8, 8, 4096, 1, 4, 20.0),

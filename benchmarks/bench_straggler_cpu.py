@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from libra_megatron.testing.dist import run_distributed  # noqa: E402
 
-TRACE = "/work/shared/data/traces/linux-6.12-files.qwen.txt"
+from libra_megatron.plan.traces import find_trace
+
+TRACE = find_trace("linux-6.12-files.qwen.txt")
 DP, CP, P = 4, 2, 4
 W = P * CP
 

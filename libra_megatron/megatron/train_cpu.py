@@ -35,9 +35,11 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..plan.traces import find_trace
+
 __all__ = ["RunConfig", "PreparedData", "prepare_data", "run_training", "compare_runs", "main"]
 
-DEFAULT_TRACE = "/work/shared/data/traces/wikipedia-flexsp.txt"
+DEFAULT_TRACE = "wikipedia-flexsp.txt"  # resolved with plan.traces.find_trace
 PARITY_RTOL = 1e-4  # fp32: per-step loss and grad norm of Libra vs baseline, relative
 
 
@@ -115,8 +117,9 @@ def prepare_data(cfg: RunConfig) -> PreparedData:
     if cfg.data == "stdlib":
         info = corpus.build_indexed_dataset_from_python_stdlib(os.path.join(workdir, "stdlib"), max_files=cfg.max_files)
     elif cfg.data == "trace":
-        name = os.path.splitext(os.path.basename(cfg.trace))[0]
-        info = corpus.build_indexed_dataset_from_trace(cfg.trace, os.path.join(workdir, f"trace-{name}-v{cfg.vocab}"),
+        trace = cfg.trace if os.path.isfile(cfg.trace) else find_trace(cfg.trace)
+        name = os.path.splitext(os.path.basename(trace))[0]
+        info = corpus.build_indexed_dataset_from_trace(trace, os.path.join(workdir, f"trace-{name}-v{cfg.vocab}"),
                                                        vocab_size=cfg.vocab, eod=cfg.vocab - 1, seed=cfg.seed,
                                                        max_docs=cfg.max_docs)
     else:

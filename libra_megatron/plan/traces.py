@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["load_trace", "load_traces"]
+__all__ = ["load_trace", "load_traces", "find_trace", "trace_dirs"]
 
 
 def _parse_line(text: str, path: str, line_no: int) -> int:
@@ -43,3 +43,25 @@ def load_traces(paths: Sequence) -> np.ndarray:
     if not paths:
         raise ValueError("--trace: give at least one trace file")
     return np.concatenate([load_trace(p) for p in paths]).astype(np.int64)
+
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def trace_dirs() -> list:
+    """Folders searched by ``find_trace``, in order: $LIBRA_TRACE_DIR, the repository's ``data/traces``
+    (ships the Linux trace), and the shared traces folder beside the checkout (``../shared/data/traces``)."""
+    dirs = [os.environ.get("LIBRA_TRACE_DIR", "")]
+    dirs += [os.path.join(_REPO_ROOT, "data", "traces"),
+             os.path.join(os.path.dirname(_REPO_ROOT), "shared", "data", "traces")]
+    return [d for d in dirs if d]
+
+
+def find_trace(name: str) -> str:
+    """Path of the trace file ``name`` (e.g. ``"wikipedia-flexsp.txt"``) in the first of ``trace_dirs()``
+    that has it; ValueError listing the folders searched otherwise."""
+    for folder in trace_dirs():
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"trace {name!r} not found in {trace_dirs()} (set LIBRA_TRACE_DIR)")

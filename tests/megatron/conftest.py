@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-TRACE_DIR = "/work/shared/data/traces"
-LINUX_TRACE = f"{TRACE_DIR}/linux-6.12-files.qwen.txt"
-WIKI_TRACE = f"{TRACE_DIR}/wikipedia-flexsp.txt"
+from libra_megatron.plan.traces import find_trace
+
+LINUX_TRACE = find_trace("linux-6.12-files.qwen.txt")
+WIKI_TRACE = find_trace("wikipedia-flexsp.txt")
 TRACE_VOCAB = 32000
 TRACE_EOD = TRACE_VOCAB - 1
 SEQ_LENGTH = 512

@@ -15,8 +15,9 @@ from libra_megatron.plan.execute import (
 )
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.traces import find_trace
 
-TRACE = "/work/shared/data/traces/linux-6.12-files.qwen.txt"
+TRACE = find_trace("linux-6.12-files.qwen.txt")
 SETTINGS = dict(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 
 

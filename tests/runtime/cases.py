@@ -10,8 +10,9 @@ import os
 from typing import List
 
 import numpy as np
+from libra_megatron.plan.traces import find_trace
 
-TRACE = os.path.join("/work/shared/data/traces", "linux-6.12-files.qwen.txt")
+TRACE = find_trace("linux-6.12-files.qwen.txt")
 # (hq, hkv, H, M): GQA ratios 1, 4, 8; H in {1,2,4} (H <= hkv and H > hkv); M in {1,2,4}; shared kv pieces.
 HEAD_CONFIGS = [(8, 8, 2, 2), (8, 2, 1, 4), (8, 1, 4, 2), (8, 2, 4, 1), (16, 2, 2, 1), (4, 4, 4, 1),
                 (8, 8, 1, 4), (16, 4, 2, 2), (8, 1, 1, 1)]

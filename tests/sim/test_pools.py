@@ -16,7 +16,9 @@ from libra_megatron.sim.__main__ import build_parser, spec_from_args
 from libra_megatron.sim.pools import TrafficEdges, link_bytes, traffic_edges
 from libra_megatron.sim.runner import run_simulation
 
-LINUX = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "traces", "linux-6.12-files.qwen.txt")
+from libra_megatron.plan.traces import find_trace
+
+LINUX = find_trace("linux-6.12-files.qwen.txt")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ from libra_megatron.plan.traces import load_trace, load_traces
 from libra_megatron.sim.baselines import sequence_pair_heads, ulysses_comm_bytes, wlb_repack
 from libra_megatron.sim.cost import CalibrationTable, CostModel, exposed_comm_seconds
 
-LINUX = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "traces", "linux-6.12-files.qwen.txt")
+from libra_megatron.plan.traces import find_trace
+
+LINUX = find_trace("linux-6.12-files.qwen.txt")
 
 
 def test_load_trace_skips_comments_and_blank_lines(tmp_path):
