@@ -21,7 +21,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_balance import TRACE_DIR, load_trace, pack  # noqa: E402
+from bench_balance import pack  # noqa: E402
+from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.config import SequencePlacement, TilePlacement, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
 from libra_megatron.plan.placement import place_tiles  # noqa: E402
@@ -104,7 +105,7 @@ def main() -> None:
     print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; load average {os.getloadavg()[0]:.1f}")
     segs_by_trace = {}
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
-        docs = load_trace(os.path.join(TRACE_DIR, trace))
+        docs = load_trace(find_trace(trace))
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
     print(f"exchange plan: {'build_exchange_plan' if build_exchange_plan else 'not available (nan)'}")
     print(f"{'case':<11}{'trace':<10}{'tiles':>6}{'build':>9}{'place':>9}{'place90':>9}{'exch':>9}"

@@ -16,6 +16,12 @@ callback                       called from
 ``after_training_log(it)``     after Megatron's ``training_log`` of iteration ``it``
 =============================  =================================================================
 
+Plan-ahead (§5 "Data and planning path"). Every loader built here gets ``_plan_ahead`` as its sampler's
+``on_window_planned`` listener: when the sampler plans a window (VRSP, in the training process), the pool
+plans this rank needs at each of the window's GA indices are queued on the background planner at once, so
+``get_batch``'s ``planner.get`` normally finds them finished instead of planning on the critical path.
+Ranks without a loader (TP rank > 0) still plan on demand in ``get``.
+
 Megatron-LM's training package (``megatron.training``) is imported lazily inside the callbacks: it is not
 on PyPI and is only importable once ``libra_megatron.launch`` has put ``MEGATRON_LM_PATH`` on sys.path.
 
@@ -150,10 +156,16 @@ class LibraHooks:
 
         from .sampler import build_libra_data_loader
 
-        loader = build_libra_data_loader(dataset, consumed_samples, get_args(), config=self.config)
+        loader = build_libra_data_loader(dataset, consumed_samples, get_args(), config=self.config,
+                                         on_window_planned=self._plan_ahead)
         if self.train_sampler is None:  # training.py builds the train loader first
             self.train_sampler = loader.batch_sampler
         return loader
+
+    def _plan_ahead(self, window: int, keys: Sequence[Any]) -> None:
+        """Sampler listener: queue the pool plan of each of this rank's upcoming microbatches of ``window``."""
+        if self.planner is not None:
+            self.planner.submit_many([key.pool_segments for key in keys])
 
     def make_get_batch(self, original: GetBatch) -> GetBatch:
         """The ``get_batch(data_iterator, vp_stage=None)`` that replaces the program's ``original``."""

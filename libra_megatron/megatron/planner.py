@@ -18,7 +18,14 @@ Usage (one ``BackgroundPlanner`` per training process)::
 
 Keys are content hashes of the pool's segments, so ``get`` without a prior ``submit`` also works (it
 plans then waits). A failure inside the thread is stored and re-raised by the ``get`` of that key as a
-``PlannerError`` carrying the original traceback; ``get`` never blocks longer than ``timeout_s``.
+``PlannerError`` carrying the original traceback; ``get`` never blocks longer than ``timeout_s`` and fails
+at once if the thread has died.
+
+Thread safety and memory. ``submit``/``get`` may be called from any thread; slot state is guarded by one
+lock, and a slot's result is published by its ``done`` event. Each ``submit`` announces one upcoming
+``get``: finished plans no ``get`` is still owed to are evicted first (least recently used), plans still
+owed only when ``capacity`` finished plans are exceeded anyway, so the cache holds at most ``capacity``
+finished plans plus the ones still queued, however long the run.
 """
 from __future__ import annotations
 
@@ -81,6 +88,7 @@ class _Slot:
         self.segments = segments
         self.submitted = time.perf_counter()
         self.done = threading.Event()
+        self.gets_owed = 0  # submits not yet matched by a get; 0 = consumed, evicted first
         self.result: Optional[PlannedPool] = None
         self.error: Optional[BaseException] = None
         self.error_text = ""
@@ -90,7 +98,8 @@ class BackgroundPlanner:
     """One daemon thread that turns pool metadata into ``PoolPlan``s ahead of use.
 
     config/layout/heads: the run's LibraConfig, per-sequence TokenLayout (L, CP) and HeadLayout.
-    capacity: finished plans kept (oldest evicted first); pending ones are never evicted.
+    capacity: finished plans kept; consumed ones (no get owed) are evicted first, least recently used
+        first; pending ones are never evicted. Size it to the plans submitted ahead (a window's worth).
     timeout_s: the longest ``get`` waits before raising ``PlannerError``.
     validate: run ``validate_plan`` on every plan (all ranks' invariants; costs O(units)).
     worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan index arrays are then
@@ -115,33 +124,21 @@ class BackgroundPlanner:
 
     # ------------------------------------------------------------------ producer side
     def submit(self, pool_segments: Sequence[Sequence[int]]) -> str:
-        """Queue a pool for planning (no-op if already known). Returns its key."""
-        segments = tuple(tuple(int(x) for x in np.asarray(s).reshape(-1)) for s in pool_segments)
-        key = pool_key(segments)
-        with self._lock:
-            if self._closed:
-                raise PlannerError("submit() on a closed BackgroundPlanner")
-            if key in self._slots:
-                self._slots.move_to_end(key)
-                return key
-            self._slots[key] = _Slot(segments)
-            self._evict_locked()
-        self._queue.put(key)
-        return key
+        """Queue a pool for planning ahead of its ``get`` (a known pool is not planned twice). Returns its key.
+
+        Each call announces one later ``get`` of the pool; until then the plan is evicted only after all
+        consumed ones (see ``capacity``).
+        """
+        return self._slot_for(pool_segments, owed=+1)[0]
 
     def submit_many(self, pools: Sequence[Sequence[Sequence[int]]]) -> list:
         return [self.submit(p) for p in pools]
 
     # ------------------------------------------------------------------ consumer side
     def get_pool(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
-        """The finished plan of a pool (submitting it first if needed). Raises PlannerError on failure."""
-        key = self.submit(pool_segments)
-        with self._lock:
-            slot = self._slots[key]
-        wait = self._timeout_s if timeout is None else float(timeout)
-        if not slot.done.wait(wait):
-            alive = "alive" if self._thread.is_alive() else "DEAD"
-            raise PlannerError(f"planner did not finish pool {key} within {wait:.1f}s (thread {alive})")
+        """The finished plan of a pool (queued now if it was never submitted). Raises PlannerError on failure."""
+        key, slot = self._slot_for(pool_segments, owed=-1)
+        self._wait(key, slot, self._timeout_s if timeout is None else float(timeout))
         if slot.error is not None:
             raise PlannerError(
                 f"background planner failed for pool {key} (segments per sequence: "
@@ -199,6 +196,42 @@ class BackgroundPlanner:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def num_cached(self) -> int:
+        """Pools held (finished, failed or queued); bounded by ``capacity`` plus the queued ones."""
+        with self._lock:
+            return len(self._slots)
+
+    # ------------------------------------------------------------------ slots
+    def _slot_for(self, pool_segments: Sequence[Sequence[int]], owed: int) -> tuple:
+        """(key, slot) of a pool, created and queued if unknown; ``owed`` +1 for a submit, -1 for a get.
+
+        The slot is returned under the same lock that found it, so a concurrent eviction cannot lose it.
+        """
+        segments = tuple(tuple(int(x) for x in np.asarray(s).reshape(-1)) for s in pool_segments)
+        key = pool_key(segments)
+        with self._lock:
+            if self._closed:
+                raise PlannerError("submit()/get() on a closed BackgroundPlanner")
+            slot = self._slots.get(key)
+            is_new = slot is None
+            if is_new:
+                slot = self._slots[key] = _Slot(segments)
+            self._slots.move_to_end(key)
+            slot.gets_owed = max(0, slot.gets_owed + owed)
+            self._evict_locked()
+        if is_new:
+            self._queue.put(key)
+        return key, slot
+
+    def _wait(self, key: str, slot: _Slot, wait: float) -> None:
+        """Block until ``slot`` is done; PlannerError after ``wait`` seconds or as soon as the thread is dead."""
+        deadline = time.perf_counter() + wait
+        while not slot.done.wait(max(0.0, min(1.0, deadline - time.perf_counter()))):
+            if not self._thread.is_alive() and not slot.done.is_set():
+                raise PlannerError(f"the planner thread is dead; pool {key} will never be planned")
+            if time.perf_counter() >= deadline:
+                raise PlannerError(f"planner did not finish pool {key} within {wait:.1f}s (thread alive)")
+
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
         while True:
@@ -237,8 +270,10 @@ class BackgroundPlanner:
                     slot.done.set()
 
     def _evict_locked(self) -> None:
+        """Drop finished slots beyond ``capacity``: consumed ones first, then owed ones, oldest first."""
         finished = [k for k, s in self._slots.items() if s.done.is_set()]
-        for key in finished[: max(0, len(self._slots) - self._capacity)]:
+        finished.sort(key=lambda k: self._slots[k].gets_owed > 0)  # stable: keeps LRU order within each group
+        for key in finished[: max(0, len(finished) - self._capacity)]:
             del self._slots[key]
 
 
@@ -263,7 +298,11 @@ def check_plan_fingerprints(fingerprint: str, group) -> None:
 
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
-    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``."""
+    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``.
+
+    Its capacity holds two windows of plans (GBS / (mbs * DP) each, at least 64 plans): the sampler submits a
+    whole window ahead (``LibraHooks`` plan-ahead), and the DataLoader may start the next one early.
+    """
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     hq = args.num_attention_heads // tp
@@ -272,4 +311,6 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     elem_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     layout = TokenLayout(config.token_layout, args.seq_length, cp)
     heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
-    return BackgroundPlanner(config, layout, heads)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
+    return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window))

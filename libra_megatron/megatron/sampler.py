@@ -19,6 +19,11 @@ Resume. ``consumed_samples = c`` (a multiple of DP) means the first ``c`` sample
 consumed: the sampler restarts at window ``c // GBS`` (single; cyclic: in epoch ``c // (windows*GBS)``),
 GA index ``(c % GBS) // DP``, and yields exactly the suffix of an uninterrupted run.
 
+Plan-ahead. ``on_window_planned(window, keys)``, if given, is called once per window with exactly the keys
+``__iter__`` is about to yield for it (this rank's, GA order; on resume only the unconsumed suffix), before
+the first of them. ``LibraHooks`` uses it to queue the window's pool plans on the background planner.
+The sampler runs in the training process (DataLoader workers only load samples), so the callback does too.
+
 Output. Each item is ``[LibraSampleKey]`` (mbs = 1). ``LibraPoolDataset[key]`` returns the wrapped
 dataset's sample plus the pool metadata (see its docstring for the encoding).
 """
@@ -68,13 +73,17 @@ class WindowPlan:
     segments: Tuple[np.ndarray, ...]  # aligned with sample_indices
 
 
+WindowListener = Callable[[int, Tuple[LibraSampleKey, ...]], None]  # (window, this rank's keys) -> None
+
+
 class LibraGlobalBatchSampler:
     """Yields this DP rank's microbatches (mbs = 1) GA-major, pool-minor, window by window. See module doc."""
 
     def __init__(self, dataset: Any, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  global_batch_size: int, data_parallel_rank: int, data_parallel_size: int, pool_size: int,
                  sequence_placement=SequencePlacement.REFINED, dataloader_type: str = "single", seed: int = 1234,
-                 segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments) -> None:
+                 segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments,
+                 on_window_planned: Optional[WindowListener] = None) -> None:
         _check_sampler_args(total_samples, consumed_samples, micro_batch_size, global_batch_size,
                             data_parallel_rank, data_parallel_size, pool_size, dataloader_type)
         self.dataset = dataset
@@ -88,6 +97,7 @@ class LibraGlobalBatchSampler:
         self.dataloader_type = dataloader_type
         self.seed = int(seed)
         self.segments_fn = segments_fn
+        self.on_window_planned = on_window_planned
         self.windows_per_epoch = self.total_samples // self.global_batch_size
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
 
@@ -149,7 +159,10 @@ class LibraGlobalBatchSampler:
     def __iter__(self) -> Iterator[List[LibraSampleKey]]:
         window, ga = self._start()
         for v in range(window, self._last_window(window)):
-            for key in self.keys_for_window(self.plan_window(v), ga if v == window else 0):
+            keys = tuple(self.keys_for_window(self.plan_window(v), ga if v == window else 0))
+            if self.on_window_planned is not None:
+                self.on_window_planned(v, keys)
+            for key in keys:
                 if self.dataloader_type == "cyclic":
                     self.consumed_samples += self.data_parallel_size
                 yield [key]
@@ -221,12 +234,14 @@ class LibraPoolDataset(torch.utils.data.Dataset):
 
 def build_libra_data_loader(dataset: Any, consumed_samples: int, args: Any, *, config=None,
                             data_parallel_rank: Optional[int] = None, data_parallel_size: Optional[int] = None,
-                            segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments):
+                            segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments,
+                            on_window_planned: Optional[WindowListener] = None):
     """Drop-in for Megatron's ``build_pretraining_data_loader(dataset, consumed_samples)``.
 
     ``args``: Megatron args (micro_batch_size, global_batch_size, dataloader_type, seed, num_workers and
     the ``--libra-*`` flags; ``config`` overrides the flags). DP rank/size default to ``parallel_state``.
-    Returns None for a None dataset.
+    ``on_window_planned``: the sampler's plan-ahead listener (see the module doc). Returns None for a None
+    dataset.
     """
     if dataset is None:
         return None
@@ -243,6 +258,7 @@ def build_libra_data_loader(dataset: Any, consumed_samples: int, args: Any, *, c
         dataset, len(dataset), consumed_samples, args.micro_batch_size, args.global_batch_size,
         data_parallel_rank, data_parallel_size, config.pool_size, config.sequence_placement,
         getattr(args, "dataloader_type", None) or "single", getattr(args, "seed", 1234), segments_fn,
+        on_window_planned,
     )
     workers = int(getattr(args, "num_workers", 0) or 0)
     return torch.utils.data.DataLoader(

@@ -24,6 +24,7 @@ and a fingerprint every rank can compare before the first collective.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Tuple
 
@@ -376,11 +377,23 @@ class _PlanTables:
 
 
 class _LazyRankPlans(Sequence):
-    """Tuple-like ``ExchangePlan.ranks``: RankPlan w is built on first access and cached."""
+    """Tuple-like ``ExchangePlan.ranks``: RankPlan w is built on first access and cached.
+
+    Thread-safe: the background planner may build a rank's plan while the training thread asks for it;
+    the lock makes both see the same RankPlan object, built once.
+    """
 
     def __init__(self, tables: _PlanTables):
         self._tables = tables
         self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # locks do not pickle; plans stay picklable
+        return {"_tables": self._tables, "_cache": dict(self._cache)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._tables.q.num_workers
@@ -393,9 +406,13 @@ class _LazyRankPlans(Sequence):
             rank += len(self)
         if not 0 <= rank < len(self):
             raise IndexError(f"rank {rank} is outside the pool of {len(self)} workers")
-        if rank not in self._cache:
-            self._cache[rank] = self._tables.rank_plan(rank)
-        return self._cache[rank]
+        plan = self._cache.get(rank)
+        if plan is None:
+            with self._lock:
+                plan = self._cache.get(rank)
+                if plan is None:
+                    plan = self._cache[rank] = self._tables.rank_plan(rank)
+        return plan
 
     def __iter__(self) -> Iterator[RankPlan]:
         return (self[i] for i in range(len(self)))

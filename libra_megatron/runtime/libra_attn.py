@@ -36,7 +36,7 @@ __all__ = ["libra_attn_func", "SaveMode", "ExchangeStats"]
 
 
 class SaveMode(str, enum.Enum):
-    """What the forward keeps for backward (see docs/sections/runtime.md for measured memory)."""
+    """What the forward keeps for backward (see docs/runtime.md for measured memory)."""
 
     ARRANGED = "arranged"  # keep arranged Q, K|V, O and lse at the destination: no extra backward traffic
     REFETCH = "refetch"  # keep only lse; backward re-exchanges Q, K|V and O (+dO) along the plan's routes
