@@ -1,7 +1,9 @@
 """Communication-aware SH-Tile placement inside one sequence pool (§4.3.2, Algorithm 2, Eq. 8).
 
 Pure Python + numpy. Inputs come from ``TileSet`` (``build_tiles``): tile loads ``f_t`` are Eq. 6
-(``tiles.tile_flops()``, int64 pair-heads); byte volumes are per layer forward, in bytes.
+(``tiles.tile_flops()``, int64 pair-heads) unless ``place_tiles(tile_cost=...)`` passes another work
+vector (e.g. calibrated seconds from ``plan.cost.TileCostModel.tile_costs``, review objection 2); byte
+volumes are per layer forward, in bytes.
 
 Eq. 8:  dcomm(t, r) = sum_{g in K(t) \\ C_r} V_g(r) + [r != home(t)] * (V_Q(t) + V_O(t))
     V_g(r)  = ``tiles.group_remote_bytes(g, r)``: bytes of g's K/V fragments r does not hold;
@@ -22,6 +24,7 @@ exchange plan built from the assignment moves, and equals the sum of Eq. 8 along
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Callable, Dict, List, Tuple
@@ -42,7 +45,7 @@ class TilePlacementResult:
     """One pool's tile assignment.
 
     assignment   int64 [num_tiles]  destination worker (pool-local id w = p*CP + c) of every tile
-    loads        float64 [W]        sum of Eq. 6 tile loads per worker
+    loads        float64 [W]        sum of tile loads f_t per worker (Eq. 6, or the ``tile_cost`` given)
     capacity     float              C = (1 + tau) * sum(f) / W (Algorithm 2, line 3)
     comm_bytes   (q, kv, o) ints    Eq. 8 total of the assignment split by kind (bytes per layer forward)
     num_fallback int                tiles placed by the fallback branch (no worker had headroom)
@@ -74,9 +77,22 @@ class TilePlacementResult:
 
 
 # --------------------------------------------------------------------------- shared helpers
-def worker_loads(tiles: TileSet, assignment: np.ndarray) -> np.ndarray:
-    """float64 [W]: sum of Eq. 6 tile loads hosted by each worker."""
-    return np.bincount(assignment, weights=tiles.tile_flops().astype(np.float64), minlength=tiles.num_workers)
+def worker_loads(tiles: TileSet, assignment: np.ndarray, tile_cost=None) -> np.ndarray:
+    """float64 [W]: sum of the tile loads hosted by each worker (Eq. 6, or ``tile_cost`` [num_tiles])."""
+    f = tiles.tile_flops() if tile_cost is None else tile_cost
+    return np.bincount(assignment, weights=np.asarray(f, dtype=np.float64), minlength=tiles.num_workers)
+
+
+def _tile_loads(tiles: TileSet, tile_cost) -> np.ndarray:
+    """f_t of Algorithm 2: int64 Eq. 6 pair-heads, or the validated float64 ``tile_cost`` vector."""
+    if tile_cost is None:
+        return tiles.tile_flops()
+    f = np.asarray(tile_cost, dtype=np.float64)
+    if f.shape != (tiles.num_tiles,):
+        raise ValueError(f"tile_cost must have shape ({tiles.num_tiles},) (one load per tile), got {f.shape}")
+    if not (np.isfinite(f).all() and (f >= 0).all()):
+        raise ValueError("tile_cost must be finite and >= 0 for every tile")
+    return f
 
 
 def _sample_holdings(tiles: TileSet) -> Tuple[np.ndarray, np.ndarray]:
@@ -126,9 +142,11 @@ def assignment_comm_bytes(tiles: TileSet, assignment) -> Tuple[int, int, int]:
 
 
 def _capacity(tile_flops: np.ndarray, num_workers: int, tau: float) -> float:
+    """C = (1 + tau) * sum(f) / W; the sum is exact (int64, or math.fsum for float loads)."""
     if not tau >= 0:
         raise ValueError(f"tau (--libra-tau) must be >= 0, got {tau!r}")
-    return (1.0 + float(tau)) * int(tile_flops.sum()) / num_workers
+    total = int(tile_flops.sum()) if tile_flops.dtype.kind in "iu" else math.fsum(tile_flops.tolist())
+    return (1.0 + float(tau)) * total / num_workers
 
 
 def _tile_order(tile_flops: np.ndarray) -> np.ndarray:
@@ -258,19 +276,25 @@ def _resident_savings(shared_groups: List[int], resident: Dict[int, Dict[int, in
 
 
 class _Greedy:
-    """Algorithm 2 state: worker loads, a lazy min-heap of keys ``load * W + w`` (entries whose load is
-    out of date are dropped when they surface), and the resident groups C_r."""
+    """Algorithm 2 state: worker loads, a lazy min-heap of keys ``load * W + w`` (integer loads) or
+    ``(load, w)`` (float loads; same order), entries whose load is out of date being dropped when they
+    surface, and the resident groups C_r."""
 
-    def __init__(self, st: _Static, num_workers: int, head_split: int, cap: float) -> None:
+    def __init__(self, st: _Static, num_workers: int, head_split: int, cap: float, int_loads: bool = True) -> None:
         self.st, self.num_workers, self.head_split, self.cap = st, num_workers, head_split, cap
-        self.loads = [0] * num_workers
-        self.heap = list(range(num_workers))  # all loads 0: sorted, so a valid heap
+        self.loads = [0] * num_workers if int_loads else [0.0] * num_workers
+        if int_loads:
+            self.key, self.unkey = (lambda load, w: load * num_workers + w), (lambda k: divmod(k, num_workers))
+        else:
+            self.key, self.unkey = (lambda load, w: (load, w)), (lambda k: k)
+        self.heap = [self.key(self.loads[w], w) for w in range(num_workers)]  # sorted, so a valid heap
         # shared group -> worker -> V_g(worker) for the workers that have it in C_r
         self.resident: Dict[int, Dict[int, int]] = {g: {} for g in st.all_shared_groups}
         self.fallbacks = self.kv_bytes = self.qo_bytes = 0
 
-    def place_block(self, block: int, f: int, assignment: List[int]) -> None:
-        """Algorithm 2 lines 5-12 for the H tiles of ``block`` (consecutive in the (-f_t, t) order).
+    def place_block(self, block: int, f, assignment: List[int], head_shards=None) -> None:
+        """Algorithm 2 lines 5-12 for the tiles of ``block`` on ``head_shards`` (default all H; they must
+        be consecutive in the (-f_t, t) order and share load f).
 
         Line 7 (feasible argmin (dcomm, L, r)) is inlined because it runs once per tile: first the
         savers, each scored exactly; then the candidate groups in ascending cost, each represented by
@@ -282,7 +306,7 @@ class _Greedy:
         shared, groups, home, home_adds = st.shared_groups[block], st.groups[block], st.homes[block], st.home_adds[block]
         loads, heap, cap, resident = self.loads, self.heap, self.cap, self.resident
         cost_of, offset, worst = st.cost, block * W, st.worst[block]
-        for head in range(H):
+        for head in range(H) if head_shards is None else head_shards:
             savings = _resident_savings(shared, resident, head) if shared else None
             best = None
             if savings and len(savings) > _FEW_RESIDENTS:
@@ -305,7 +329,7 @@ class _Greedy:
             cost, _, worker = best if best is not None else self._least_loaded(block, savings or {}, f)
             assignment[block * H + head] = worker
             loads[worker] += f
-            heappush(heap, loads[worker] * W + worker)
+            heappush(heap, self.key(loads[worker], worker))
             if worker == home:  # C_home |= K(t): only groups the home holds partly can ever cost there
                 self.kv_bytes += cost
                 for group, missing in home_adds:
@@ -331,13 +355,13 @@ class _Greedy:
         A saver that is no candidate costs ``worst`` minus its savings, at least ``floor``; the scan stops
         at the first infeasible load or at a feasible saver at the floor (later ones have a higher load).
         """
-        W, groups = self.num_workers, self.st.groups[block]
+        groups = self.st.groups[block]
         candidates = {w for _, ws in groups for w in ws}
         best = self._best_of(block, {w: savings[w] for w in candidates if w in savings}, f)
         worst = self.st.worst[block]
         floor = worst - max(savings.values())
         for key in self._sorted_keys():
-            load, w = divmod(key, W)
+            load, w = self.unkey(key)
             if load + f > self.cap:
                 break
             if w in candidates or w not in savings:
@@ -353,10 +377,10 @@ class _Greedy:
         """No candidate or saver is feasible; all other workers cost ``worst``. So the least-loaded worker
         wins if feasible (it is none of them then); else Algorithm 2 line 10: argmin (L, dcomm, r).
         Returns (cost, load, worker)."""
-        W, worst, heap, loads = self.num_workers, self.st.worst[block], self.heap, self.loads
-        while loads[heap[0] % W] != heap[0] // W:
+        W, worst, heap, loads, unkey = self.num_workers, self.st.worst[block], self.heap, self.loads, self.unkey
+        while loads[unkey(heap[0])[1]] != unkey(heap[0])[0]:
             heappop(heap)
-        load, w = divmod(heap[0], W)
+        load, w = unkey(heap[0])
         if load + f <= self.cap:
             return worst, load, w
         self.fallbacks += 1
@@ -369,9 +393,9 @@ class _Greedy:
                 best = (cost, load, w)
         return best
 
-    def _sorted_keys(self) -> List[int]:
-        """Keys ``load * W + w`` of all workers in (load, id) order."""
-        return sorted(load * self.num_workers + w for w, load in enumerate(self.loads))
+    def _sorted_keys(self) -> list:
+        """Heap keys of all workers in (load, id) order."""
+        return sorted(self.key(load, w) for w, load in enumerate(self.loads))
 
     def _add_remote(self, block: int, head: int, worker: int, cost: int) -> None:
         """Count a migrated tile's Eq. 8 bytes and add its shared groups to C_worker (Algorithm 2 line 12).
@@ -387,20 +411,26 @@ class _Greedy:
                 self.resident[group + head].setdefault(worker, missing)
 
 
-def _place_alg2(tiles: TileSet, tau: float):
+def _place_alg2(tiles: TileSet, tau: float, tile_cost=None):
     """Algorithm 2 over the tiles in (-f_t, t) order. Returns (assignment, C, fallbacks, comm_bytes).
 
-    The H tiles of a block share f_t and are consecutive in that order, so it is walked block by block.
+    With Eq. 6 loads the H tiles of a block share f_t and are consecutive in that order, so it is walked
+    block by block; a ``tile_cost`` vector may differ between head shards, so it is walked tile by tile.
     """
-    f_all = tiles.tile_flops()
+    f_all = _tile_loads(tiles, tile_cost)
     W, H = tiles.num_workers, tiles.head_split
     cap = _capacity(f_all, W, tau)
-    greedy = _Greedy(_static_data(tiles), W, H, cap)
-    f_block = f_all[::H]
-    block_order = _tile_order(f_block)
+    greedy = _Greedy(_static_data(tiles), W, H, cap, int_loads=tile_cost is None)
     assignment = [0] * tiles.num_tiles
-    for block, f in zip(block_order.tolist(), f_block[block_order].tolist()):
-        greedy.place_block(block, f, assignment)
+    if tile_cost is None:
+        f_block = f_all[::H]
+        block_order = _tile_order(f_block)
+        for block, f in zip(block_order.tolist(), f_block[block_order].tolist()):
+            greedy.place_block(block, f, assignment)
+    else:
+        order = _tile_order(f_all)
+        for tile, f in zip(order.tolist(), f_all[order].tolist()):
+            greedy.place_block(tile // H, f, assignment, (tile % H,))
     q_bytes = greedy.qo_bytes // 2
     comm = (q_bytes, greedy.kv_bytes, q_bytes)
     return np.asarray(assignment, dtype=np.int64), cap, greedy.fallbacks, comm
@@ -427,11 +457,11 @@ def _best_swap(loads: np.ndarray, f: np.ndarray, assignment: np.ndarray, mine: n
     return float(pair.flat[i]), int(mine[a]), u
 
 
-def _refine(tiles: TileSet, assignment: np.ndarray) -> np.ndarray:
+def _refine(tiles: TileSet, assignment: np.ndarray, tile_cost=None) -> np.ndarray:
     """Moves, then swaps, off the heaviest worker while they strictly lower its load below the old max."""
-    f = tiles.tile_flops().astype(np.float64)
+    f = _tile_loads(tiles, tile_cost).astype(np.float64)
     assignment = assignment.copy()
-    loads = worker_loads(tiles, assignment)
+    loads = worker_loads(tiles, assignment, tile_cost)
     for _ in range(_MAX_REFINE_STEPS_PER_WORKER * loads.size):
         heavy = int(np.argmax(loads))
         mine = np.flatnonzero(assignment == heavy)
@@ -452,38 +482,42 @@ def _refine(tiles: TileSet, assignment: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- public entry
-def _run_home(tiles: TileSet, tau: float):
+def _run_home(tiles: TileSet, tau: float, tile_cost=None):
     home = tiles.tile_home().astype(np.int64)
-    cap = _capacity(tiles.tile_flops(), tiles.num_workers, tau)
+    cap = _capacity(_tile_loads(tiles, tile_cost), tiles.num_workers, tau)
     return home, cap, 0, assignment_comm_bytes(tiles, home)
 
 
-def _run_refined(tiles: TileSet, tau: float):
-    start, cap, fallbacks, comm = _place_alg2(tiles, tau)
-    refined = _refine(tiles, start)
-    if worker_loads(tiles, refined).max() <= worker_loads(tiles, start).max():
+def _run_refined(tiles: TileSet, tau: float, tile_cost=None):
+    start, cap, fallbacks, comm = _place_alg2(tiles, tau, tile_cost)
+    refined = _refine(tiles, start, tile_cost)
+    if worker_loads(tiles, refined, tile_cost).max() <= worker_loads(tiles, start, tile_cost).max():
         return refined, cap, fallbacks, assignment_comm_bytes(tiles, refined)
     return start, cap, fallbacks, comm
 
 
-_PLACERS: Dict[TilePlacement, Callable[[TileSet, float], tuple]] = {
+_PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
     TilePlacement.HOME: _run_home,
     TilePlacement.ALG2: _place_alg2,
     TilePlacement.REFINED: _run_refined,
 }
 
 
-def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2) -> TilePlacementResult:
+def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
+                tile_cost=None) -> TilePlacementResult:
     """Assign every SH-Tile of the pool to one of its W = P*CP workers (Algorithm 2 by default).
 
     HOME: every tile at its Q-home. ALG2: Algorithm 2 exactly (ties as in the paper: feasible branch
     argmin (dcomm, L_r, r); fallback argmin (L_r, dcomm, r)). REFINED: ALG2, then moves/swaps off the
     heaviest worker; never a higher max load than ALG2 (comm is recomputed for the final assignment).
+    tile_cost: optional float64 [num_tiles] (>= 0, any unit, e.g. seconds from
+    ``plan.cost.TileCostModel.tile_costs``) used as f_t instead of Eq. 6 ``tiles.tile_flops()``; C, the
+    order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
     """
-    assignment, cap, fallbacks, comm = _PLACERS[TilePlacement(method)](tiles, tau)
+    assignment, cap, fallbacks, comm = _PLACERS[TilePlacement(method)](tiles, tau, tile_cost)
     return TilePlacementResult(
         assignment=assignment,
-        loads=worker_loads(tiles, assignment),
+        loads=worker_loads(tiles, assignment, tile_cost),
         capacity=cap,
         comm_bytes=tuple(int(x) for x in comm),
         num_fallback=int(fallbacks),

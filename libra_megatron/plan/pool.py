@@ -57,18 +57,22 @@ def plan_pool(
     heads: HeadLayout,
     *,
     validate: bool = True,
+    tile_cost_model=None,
 ) -> PoolPlan:
     """Plan one pool: ``seq_segments[p]`` are the raw-sample lengths of its p-th packed sequence.
 
     Deterministic: the same inputs give the same fingerprint on every rank. ``validate`` runs
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
+    ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
+    that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
     """
     from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
 
     start = time.perf_counter()
     _check_consistent(seq_segments, config, layout, heads)
     tiles = build_tiles(seq_segments, layout, heads, config.block_size)
-    placement = place_tiles(tiles, config.tau, config.tile_placement)
+    tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
+    placement = place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost)
     exchange = build_exchange_plan(tiles, placement.assignment)
     if validate:
         from .validate import validate_plan

@@ -1,4 +1,5 @@
 """Algorithm 2 (§4.3.2) and Eq. 8: the fast placer equals a direct implementation over all workers."""
+import math
 from unittest import mock
 
 import numpy as np
@@ -21,11 +22,18 @@ HEADS = {  # (hq, hkv, d): Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, paper micro
 }
 
 
-def reference_alg2(tiles, tau):
-    """Algorithm 2 line by line over all W workers, Eq. 8 from tiles.group_remote_bytes."""
-    f = [int(x) for x in tiles.tile_flops()]
+def reference_alg2(tiles, tau, tile_cost=None):
+    """Algorithm 2 line by line over all W workers, Eq. 8 from tiles.group_remote_bytes.
+
+    f_t = Eq. 6 tile_flops, or ``tile_cost`` [num_tiles] floats (C then from the exact float sum)."""
+    if tile_cost is None:
+        f = [int(x) for x in tiles.tile_flops()]
+        total = sum(f)
+    else:
+        f = [float(x) for x in tile_cost]
+        total = math.fsum(f)
     W = tiles.num_workers
-    cap = (1.0 + tau) * sum(f) / W
+    cap = (1.0 + tau) * total / W
     order = sorted(range(len(f)), key=lambda t: (-f[t], t))
     loads, resident = [0] * W, [set() for _ in range(W)]
     homes, tokens = tiles.tile_home(), tiles.tile_tokens()
@@ -177,3 +185,21 @@ def test_alg2_equals_reference_on_a_32_worker_pool_with_long_samples(head_split,
     np.testing.assert_array_equal(got.assignment, expected)
     assert (sum(got.comm_bytes), got.num_fallback) == (comm, fallbacks)
     assert (got.assignment != tiles.tile_home()).any()
+
+
+@settings(max_examples=80, deadline=None)
+@given(pools(), st.sampled_from(["uniform", "ties", "per_block"]), st.integers(0, 2**31 - 1))
+def test_alg2_with_tile_cost_vector_equals_direct_reference(case, kind, seed):
+    # f_t from a random positive cost vector (head shards of a block may differ; "ties" forces Eq. 8 ties)
+    tiles, tau = case
+    rng = np.random.default_rng(seed)
+    n, H = tiles.num_tiles, tiles.head_split
+    cost = {"uniform": lambda: rng.random(n) + 1e-3,
+            "ties": lambda: rng.integers(1, 4, n).astype(np.float64),
+            "per_block": lambda: np.repeat(rng.random(n // H) * 7.0 + 0.5, H)}[kind]()
+    expected, comm, fallbacks = reference_alg2(tiles, tau, cost)
+    got = place_tiles(tiles, tau=tau, method=TilePlacement.ALG2, tile_cost=cost)
+    np.testing.assert_array_equal(got.assignment, expected)
+    assert (sum(got.comm_bytes), got.num_fallback) == (comm, fallbacks)
+    np.testing.assert_array_equal(got.loads, np.bincount(expected, cost, tiles.num_workers))
+    assert got.capacity == (1.0 + tau) * math.fsum(cost.tolist()) / tiles.num_workers
