@@ -1,4 +1,4 @@
-"""``python -m libra_megatron.sim`` / ``libra-sim``: choose (P, H, B) for a corpus (§5, review objections 2 and 4).
+"""``python -m libra_megatron.sim`` / ``libra-sim``: choose P, H, B, tau, M for a corpus (§5; review objections 2, 4).
 
 Example (the shared traces live in ``../shared/data/traces/`` relative to the checkout):
     python -m libra_megatron.sim --trace ../shared/data/traces/linux-6.12-files.qwen.txt \
@@ -52,8 +52,8 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-size", type=int, nargs="+", default=[8], help="P values (each divides --dp)")
     g.add_argument("--head-split", type=int, nargs="+", default=[1], help="H values")
     g.add_argument("--block-size", type=int, nargs="+", default=[4096], help="B values (tokens)")
-    g.add_argument("--num-chunks", type=int, default=4, help="M, Pipeliner head chunks")
-    g.add_argument("--tau", type=float, default=0.03, help="Algorithm 2 load slack")
+    g.add_argument("--num-chunks", type=int, nargs="+", default=[4], help="M values, Pipeliner head chunks")
+    g.add_argument("--tau", type=float, nargs="+", default=[0.03], help="Algorithm 2 load slack values")
     g.add_argument("--token-layout", type=_enum_arg(TokenLayoutKind, "--token-layout"), default=TokenLayoutKind.ZIGZAG)
     g.add_argument("--sequence-placement", type=_enum_arg(SequencePlacement, "--sequence-placement"),
                    default=SequencePlacement.REFINED, help="inter-pool placement of the 'libra' variant")
@@ -118,11 +118,11 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     calibration = CalibrationTable.from_json(args.calibration) if args.calibration else None
     cost = CostModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
                      inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
-                     num_chunks=args.num_chunks, calibration=calibration)
+                     num_chunks=args.num_chunks[0], calibration=calibration)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,
         pool_sizes=tuple(args.pool_size), head_splits=tuple(args.head_split), block_sizes=tuple(args.block_size),
-        dims=dims, cost=cost, num_chunks=args.num_chunks, tau=args.tau, token_layout=args.token_layout,
+        dims=dims, cost=cost, chunk_counts=tuple(args.num_chunks), taus=tuple(args.tau), token_layout=args.token_layout,
         sequence_placement=args.sequence_placement, tile_placement=args.tile_placement, packing=args.packing,
         seed=args.seed, max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
     ).validate()

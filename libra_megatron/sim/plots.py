@@ -69,7 +69,9 @@ def _plot_heatmap(plt, report: Dict, path: str) -> None:
     width = 1.6 + len(pools) * (1.2 + 0.7 * len(hs))
     fig, axes = plt.subplots(1, len(pools), figsize=(width, 1.6 + 0.6 * len(bs) + 1.2), squeeze=False,
                              layout="constrained")
-    grid = {(c["pool_size"], c["head_split"], c["block_size"]): 1.0 / c["straggler_vs_ulysses"] for c in report["candidates"]}
+    rec = report["recommended"]  # a tau/M sweep: show the recommended (tau, M) slice of the grid
+    grid = {(c["pool_size"], c["head_split"], c["block_size"]): 1.0 / c["straggler_vs_ulysses"]
+            for c in report["candidates"] if (c["tau"], c["num_chunks"]) == (rec["tau"], rec["num_chunks"])}
     vmin, vmax = min(grid.values()), max(grid.values())
     vmin = vmin - 0.05 * max(vmax - vmin, 1e-9)
     for ax, p in zip(axes[0], pools):
@@ -81,7 +83,9 @@ def _plot_heatmap(plt, report: Dict, path: str) -> None:
                xlabel="head split H", title=f"P={p}")
     axes[0][0].set_ylabel("block size B")
     fig.colorbar(im, ax=list(axes[0]), label="est. speedup over Ulysses")
-    fig.suptitle("Estimated straggler speedup over Ulysses", fontsize=10)
+    swept = len({(c["tau"], c["num_chunks"]) for c in report["candidates"]}) > 1
+    slice_ = f" at tau={rec['tau']:g}, M={rec['num_chunks']}" if swept else ""
+    fig.suptitle(f"Estimated straggler speedup over Ulysses{slice_}", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -13,17 +13,17 @@ The totals equal ``ExchangePlan.bytes_q/kv/o`` (checked in tests/sim).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Tuple
 
 import numpy as np
 
 from ..plan.layout import HeadLayout, TokenLayout
-from ..plan.placement import place_tiles
+from ..plan.placement import TilePlacementResult, place_tiles
 from ..plan.tiles import TileSet, build_tiles
 from .cost import CostModel
 
-__all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "PoolEvaluator"]
+__all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,12 @@ def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: CostMode
 
 def evaluate_pool(tiles: TileSet, tau: float, method, cost: CostModel, first_gpu: int) -> PoolResult:
     """Place the pool's tiles with ``method`` and turn the assignment into per-worker seconds."""
-    placed = place_tiles(tiles, tau, method)
+    return pool_result(tiles, place_tiles(tiles, tau, method), cost, first_gpu)
+
+
+def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, first_gpu: int) -> PoolResult:
+    """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``)."""
+    assert cost.num_chunks == tiles.heads.num_chunks
     edges = traffic_edges(tiles, placed.assignment)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     intra, inter = link_bytes(edges, nodes)
@@ -121,31 +126,61 @@ def evaluate_pool(tiles: TileSet, tau: float, method, cost: CostModel, first_gpu
 
 
 class PoolEvaluator:
-    """Memoised ``evaluate_pool`` keyed by (sequence ids, H, B, method, node offset).
+    """Memoised ``evaluate_pool`` over the (H, B, tau, M) knobs of one window's pools.
 
-    ``segments[i]`` are the segment lengths of packed sequence i of the corpus. Pools that recur
-    between placement variants (contiguous / Alg. 1 / refined often share pools) are evaluated once.
+    ``segments[i]`` are the segment lengths of packed sequence i of the corpus. Three caches, each
+    keyed only by what its stage depends on, so a tau/M sweep does not redo the expensive parts:
+        tiles       (sequence ids, H, B)                      -- independent of tau and M
+        placement   (sequence ids, H, B, method, tau, V_g)    -- Eq. 8 reads M only through
+                    V_g = ``HeadLayout.kv_bytes_per_token`` (M-dependent when chunk pieces share a kv head)
+        result      (sequence ids, H, B, tau, M, method, node offset)
+    Pools that recur between placement variants (contiguous / Alg. 1 / refined often share pools) are
+    evaluated once.
     """
 
-    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, tau: float,
-                 num_chunks: int, cost: CostModel):
-        self.segments, self.layout, self.tau, self.cost = segments, layout, tau, cost
-        self._head_args = (hq, hkv, cost.head_dim, num_chunks, elem_bytes)
+    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, cost: CostModel):
+        self.segments, self.layout, self.cost = segments, layout, cost
+        self._head_args = (hq, hkv, cost.head_dim, elem_bytes)
+        self._costs: Dict[int, CostModel] = {}
+        self._tiles: Dict[tuple, TileSet] = {}
+        self._placed: Dict[tuple, TilePlacementResult] = {}
         self._cache: Dict[tuple, PoolResult] = {}
 
-    def heads(self, head_split: int) -> HeadLayout:
-        hq, hkv, d, m, eb = self._head_args
-        return HeadLayout(hq, hkv, d, head_split, m, eb)
+    def heads(self, head_split: int, num_chunks: int) -> HeadLayout:
+        hq, hkv, d, eb = self._head_args
+        return HeadLayout(hq, hkv, d, head_split, num_chunks, eb)
 
-    def evaluate(self, seq_ids, head_split: int, block_size: int, method, first_gpu: int) -> PoolResult:
+    def _cost(self, num_chunks: int) -> CostModel:
+        if num_chunks not in self._costs:
+            self._costs[num_chunks] = replace(self.cost, num_chunks=num_chunks)
+        return self._costs[num_chunks]
+
+    def _tileset(self, ids: tuple, head_split: int, block_size: int, num_chunks: int) -> TileSet:
+        """Tiles of the pool with M = ``num_chunks`` (build_tiles only stores the HeadLayout)."""
+        key = (ids, head_split, block_size)
+        tiles = self._tiles.get(key)
+        if tiles is None:
+            tiles = self._tiles[key] = build_tiles([self.segments[i] for i in ids], self.layout,
+                                                   self.heads(head_split, num_chunks), block_size)
+        heads = self.heads(head_split, num_chunks)
+        return tiles if tiles.heads == heads else replace(tiles, heads=heads)
+
+    def evaluate(self, seq_ids, head_split: int, block_size: int, tau: float, num_chunks: int, method,
+                 first_gpu: int) -> PoolResult:
         ids = tuple(int(i) for i in seq_ids)
-        key = (ids, head_split, block_size, str(method), first_gpu % self.cost.gpus_per_node)
+        key = (ids, head_split, block_size, tau, num_chunks, str(method), first_gpu % self.cost.gpus_per_node)
         hit = self._cache.get(key)
         if hit is None:
-            tiles = build_tiles([self.segments[i] for i in ids], self.layout, self.heads(head_split), block_size)
-            hit = self._cache[key] = evaluate_pool(tiles, self.tau, method, self.cost, first_gpu)
+            tiles = self._tileset(ids, head_split, block_size, num_chunks)
+            pkey = (ids, head_split, block_size, str(method), tau, tiles.heads.kv_bytes_per_token())
+            placed = self._placed.get(pkey)
+            if placed is None:
+                placed = self._placed[pkey] = place_tiles(tiles, tau, method)
+            hit = self._cache[key] = pool_result(tiles, placed, self._cost(num_chunks), first_gpu)
         return hit
 
     def clear(self) -> None:
         """Drop memoised pools (called between windows: pools never recur across windows)."""
+        self._tiles.clear()
+        self._placed.clear()
         self._cache.clear()

@@ -53,6 +53,18 @@ _COLUMNS = (  # header, width, getter
 )
 
 
+_SWEPT_COLUMNS = (  # (JSON key, column): shown after B only when the run swept more than one value
+    ("tau", ("tau", 6, lambda c: f"{c['tau']:g}")),
+    ("num_chunks", ("M", 3, lambda c: f"{c['num_chunks']}")),
+)
+_KNOBS = ("pool_size", "head_split", "block_size", "tau", "num_chunks")
+
+
+def _columns(candidates: List[Dict]) -> list:
+    swept = [col for key, col in _SWEPT_COLUMNS if len({c[key] for c in candidates}) > 1]
+    return list(_COLUMNS[:3]) + swept + list(_COLUMNS[3:])
+
+
 def _speedup(cand: Dict, name: str) -> str:
     base = cand["baselines"].get(name)
     return "-" if base is None else f"{base['speedup_vs_ulysses']:.2f}"
@@ -60,12 +72,15 @@ def _speedup(cand: Dict, name: str) -> str:
 
 def format_table(report: Dict) -> str:
     """The stdout report of one run (``SimResult.to_json()`` as input)."""
-    header = " ".join(h.rjust(w) for h, w, _ in _COLUMNS)
+    columns = _columns(report["candidates"])
+    header = " ".join(h.rjust(w) for h, w, _ in columns)
     rows: List[str] = [header, "-" * len(header)]
     best = report["recommended"]
     for cand in report["candidates"]:
-        mark = " <- recommended" if all(cand[k] == best[k] for k in ("pool_size", "head_split", "block_size")) else ""
-        rows.append(" ".join(get(cand).rjust(w) for _, w, get in _COLUMNS) + mark)
+        mark = " <- recommended" if all(cand[k] == best[k] for k in _KNOBS) else ""
+        rows.append(" ".join(get(cand).rjust(w) for _, w, get in columns) + mark)
+    swept = "".join(f" {name}={best[key]:g}" for key, (name, _, _) in _SWEPT_COLUMNS
+                    if any(h == name for h, _, _ in columns))
     uly, wlb = report["baselines"]["ulysses"], report["baselines"]["wlb_llm"]
     rows += [
         "",
@@ -74,7 +89,7 @@ def format_table(report: Dict) -> str:
         f"Ulysses: mean step {uly['mean_step_seconds'] * 1e3:.2f} ms, max {uly['max_step_seconds'] * 1e3:.2f} ms;"
         f"  WLB-LLM (no deferral): mean {wlb['mean_step_seconds'] * 1e3:.2f} ms (x{wlb['speedup_vs_ulysses']:.2f}),"
         f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",
-        f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}: estimated step "
+        f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}{swept}: estimated step "
         f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
         "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra = worker max/mean-1 (Eq. 6); GB = remote bytes per pool"
         " per layer fwd; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",

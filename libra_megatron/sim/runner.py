@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..config import PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
+from ..config import LibraConfig, PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
 from ..plan.layout import TokenLayout
 from ..plan.packing import pack_documents
 from ..plan.sequences import place_sequences, pool_loads
@@ -63,7 +63,12 @@ class ModelDims:
 
 @dataclass(frozen=True)
 class SimSpec:
-    """Everything one simulator run depends on (the CLI builds it; ``validate`` names CLI flags)."""
+    """Everything one simulator run depends on (the CLI builds it; ``validate`` names CLI flags).
+
+    The candidate grid is pool_sizes x head_splits x block_sizes x taus x chunk_counts (in that
+    nesting order). ``cost.num_chunks`` must be one of ``chunk_counts``; each candidate runs the cost
+    model with its own M.
+    """
 
     seq_len: int
     global_batch_size: int
@@ -74,8 +79,8 @@ class SimSpec:
     block_sizes: Tuple[int, ...]
     dims: ModelDims
     cost: CostModel
-    num_chunks: int = 4
-    tau: float = 0.03
+    chunk_counts: Tuple[int, ...] = (4,)  # M values (Pipeliner head chunks), --num-chunks
+    taus: Tuple[float, ...] = (0.03,)  # Algorithm 2 load slack values, --tau
     token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
     sequence_placement: SequencePlacement = SequencePlacement.REFINED
     tile_placement: TilePlacement = TilePlacement.ALG2
@@ -101,22 +106,25 @@ def _positive(value, flag: str) -> None:
 
 
 def _validate_heads(spec: SimSpec) -> None:
-    hq, hkv, m = spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.num_chunks
+    """hkv | hq, then every (H, M) pair against ``LibraConfig.validate`` (the runtime's rule)."""
+    hq, hkv = spec.dims.num_q_heads, spec.dims.num_kv_heads
     if hq % hkv:
         raise ValueError(f"--num-kv-heads {hkv} must divide --num-heads {hq} ({hq} % {hkv} = {hq % hkv})")
     for h in spec.head_splits:
         _positive(h, "--head-split")
-        if hq % (h * m):
-            raise ValueError(f"--head-split {h} x --num-chunks {m} = {h * m} must divide --num-heads {hq} "
-                             f"({hq} % {h * m} = {hq % (h * m)})")
-        piece, group = hq // (h * m), hq // hkv
-        if piece % group and group % piece:
-            raise ValueError(f"--num-heads/(--head-split*--num-chunks) = {hq}/({h}*{m}) = {piece} must be a "
-                             f"multiple or divisor of the GQA group --num-heads/--num-kv-heads = {group}")
+    for m in spec.chunk_counts:
+        _positive(m, "--num-chunks")
+    for h in spec.head_splits:
+        for m in spec.chunk_counts:
+            try:
+                LibraConfig(head_split=int(h), num_chunks=int(m)).validate(num_attention_heads=hq, num_query_groups=hkv)
+            except ValueError as err:
+                raise ValueError(f"--head-split {h} x --num-chunks {m} is invalid for --num-heads {hq}, "
+                                 f"--num-kv-heads {hkv}: {err}") from None
 
 
 def _validate_spec(spec: SimSpec) -> None:
-    for value, flag in ((spec.seq_len, "--seq-len"), (spec.global_batch_size, "--gbs"), (spec.num_chunks, "--num-chunks"),
+    for value, flag in ((spec.seq_len, "--seq-len"), (spec.global_batch_size, "--gbs"),
                         (spec.data_parallel_size, "--dp"), (spec.context_parallel_size, "--cp")):
         _positive(value, flag)
     gbs, dp, cp = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size
@@ -128,21 +136,22 @@ def _validate_spec(spec: SimSpec) -> None:
             raise ValueError(f"--pool-size {p} must divide --dp {dp} ({dp} % {p} = {dp % p})")
     for b in spec.block_sizes:
         _positive(b, "--block-size")
-    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes):
-        raise ValueError("--pool-size, --head-split and --block-size each need at least one value")
+    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts):
+        raise ValueError("--pool-size, --head-split, --block-size, --tau and --num-chunks each need at least one value")
     _validate_heads(spec)
     chunks = 2 * cp if spec.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
     if spec.seq_len % chunks:
         raise ValueError(f"--seq-len {spec.seq_len} must be divisible by {chunks} CP chunks (--token-layout "
                          f"{spec.token_layout.value}, --cp {cp}): {spec.seq_len} % {chunks} = {spec.seq_len % chunks}")
-    if not spec.tau >= 0:
-        raise ValueError(f"--tau must be >= 0, got {spec.tau!r}")
+    for tau in spec.taus:
+        if not tau >= 0:
+            raise ValueError(f"--tau must be >= 0, got {tau!r}")
     if not spec.wlb_cap_factor >= 1:
         raise ValueError(f"--wlb-cap-factor must be >= 1 (token cap = factor * --seq-len), got {spec.wlb_cap_factor!r}")
     if spec.max_windows is not None:
         _positive(spec.max_windows, "--max-windows")
-    if spec.cost.num_chunks != spec.num_chunks or spec.cost.head_dim != spec.dims.head_dim:
-        raise ValueError("CostModel.num_chunks/head_dim must equal --num-chunks/--head-dim")
+    if spec.cost.num_chunks not in spec.chunk_counts or spec.cost.head_dim != spec.dims.head_dim:
+        raise ValueError("CostModel.num_chunks/head_dim must be one of --num-chunks / equal --head-dim")
 
 
 # --------------------------------------------------------------------------- accumulators
@@ -177,11 +186,13 @@ class WorstStep:
 
 @dataclass
 class Candidate:
-    """Accumulated measurements of one (P, H, B)."""
+    """Accumulated measurements of one (P, H, B, tau, M)."""
 
     pool_size: int
     head_split: int
     block_size: int
+    tau: float
+    num_chunks: int
     inter: Dict[str, List[float]] = field(default_factory=lambda: {k: [] for k in ("contiguous", "alg1", "placed", "lower_bound", "eq3")})
     intra: List[float] = field(default_factory=list)
     bytes_qkvo: List[Tuple[int, int, int]] = field(default_factory=list)
@@ -190,6 +201,11 @@ class Candidate:
     steps: Dict[str, _Steps] = field(default_factory=lambda: {k: _Steps() for k in VARIANTS + ("distca",)})
     lower_bound: List[float] = field(default_factory=list)
     worst: Optional[WorstStep] = None
+
+    @property
+    def knobs(self) -> Tuple[int, int, float, int]:
+        """(H, B, tau, M): everything but P that a pool evaluation depends on."""
+        return self.head_split, self.block_size, self.tau, self.num_chunks
 
     @property
     def estimated_step_seconds(self) -> float:
@@ -201,6 +217,7 @@ class Candidate:
         baselines = {k: self.steps[k].summary(ulysses) for k in ("tap", "tap_vrsp", "distca") if self.steps[k].seconds}
         return {
             "pool_size": self.pool_size, "head_split": self.head_split, "block_size": self.block_size,
+            "tau": self.tau, "num_chunks": self.num_chunks,
             "num_tiles": int(round(float(np.mean(self.num_tiles)))),
             "inter_pool_imbalance": {k: float(np.mean(v)) for k, v in self.inter.items()},
             "intra_pool_imbalance": float(np.mean(self.intra)),
@@ -257,13 +274,13 @@ class _OrderRun:
     pool_first_dp: np.ndarray
 
 
-def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int, hb: Tuple[int, int],
-               method, spec: SimSpec) -> _OrderRun:
+def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int,
+               knobs: Tuple[int, int, float, int], method, spec: SimSpec) -> _OrderRun:
     """Evaluate every pool of ``order`` (positions into the window ``ids``) and take per-step maxima."""
     num_pools = order.size // pool_size
     step, first_dp = _pool_positions(num_pools, pool_size, spec.data_parallel_size)
     cp = spec.context_parallel_size
-    pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], hb[0], hb[1], method, int(first_dp[k]) * cp)
+    pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], *knobs, method, int(first_dp[k]) * cp)
              for k in range(num_pools)]
     step_seconds = np.zeros(spec.num_steps)
     np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
@@ -306,9 +323,9 @@ def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
     return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
 
 
-def _distca_steps(ev: PoolEvaluator, win: _Window, hb: Tuple[int, int], spec: SimSpec) -> np.ndarray:
+def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: Tuple[int, int, float, int], spec: SimSpec) -> np.ndarray:
     order = np.arange(spec.global_batch_size, dtype=np.int64)
-    return _run_order(ev, win.ids, order, spec.data_parallel_size, hb, spec.tile_placement, spec).step_seconds
+    return _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec).step_seconds
 
 
 def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -339,9 +356,9 @@ _VARIANT_PLAN = {  # variant -> (order name, tile method or None for --tile-plac
 def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
                       orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
     """Run the three Libra variants of one candidate on one window and accumulate."""
-    hb = (cand.head_split, cand.block_size)
     for variant, (order_name, method) in _VARIANT_PLAN.items():
-        run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, hb, method or spec.tile_placement, spec)
+        method = method or spec.tile_placement
+        run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, cand.knobs, method, spec)
         cand.steps[variant].seconds.extend(run.step_seconds.tolist())
         if variant == "libra":
             _record_libra(cand, run, win, spec)
@@ -385,18 +402,23 @@ class SimResult:
     window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
 
     def recommended(self) -> Candidate:
-        """argmin of the objective (``OBJECTIVE``); candidates are kept in (P, H, B) grid order."""
-        return min(self.candidates, key=lambda c: (c.estimated_step_seconds, c.pool_size, c.head_split, c.block_size))
+        """argmin of the objective (``OBJECTIVE``); candidates are kept in (P, H, B, tau, M) grid order."""
+        return min(self.candidates, key=lambda c: (c.estimated_step_seconds, c.pool_size, c.head_split, c.block_size,
+                                                   c.tau, c.num_chunks))
 
     def _assumptions(self) -> Dict[str, object]:
         s = self.spec
+        cost = s.cost.assumptions()
+        cost["num_chunks"] = _scalar_or_list(s.chunk_counts)
         return {
             "seq_len": s.seq_len, "gbs": s.global_batch_size, "dp": s.data_parallel_size,
             "cp": s.context_parallel_size, "num_heads": s.dims.num_q_heads, "num_kv_heads": s.dims.num_kv_heads,
-            "head_dim": s.dims.head_dim, "elem_bytes": s.dims.elem_bytes, "num_chunks": s.num_chunks, "tau": s.tau,
+            "head_dim": s.dims.head_dim, "elem_bytes": s.dims.elem_bytes,
+            "num_chunks": _scalar_or_list(s.chunk_counts), "tau": _scalar_or_list(s.taus),
             "token_layout": s.token_layout.value, "sequence_placement": s.sequence_placement.value,
             "tile_placement": s.tile_placement.value, "packing": s.packing.value, "seed": s.seed,
-            "wlb_cap_factor": s.wlb_cap_factor, "cost": s.cost.assumptions(), "objective": OBJECTIVE,
+            "wlb_cap_factor": s.wlb_cap_factor, "cost": cost,
+            "objective": OBJECTIVE + (", tau, M" if len(s.taus) * len(s.chunk_counts) > 1 else ""),
             "units": "seconds and bytes per attention layer, forward pass",
         }
 
@@ -409,13 +431,20 @@ class SimResult:
             "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
             "candidates": [c.to_json(self.ulysses) for c in self.candidates],
             "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
+                            "tau": best.tau, "num_chunks": best.num_chunks,
                             "estimated_step_seconds": best.estimated_step_seconds,
                             "worst_step": best.worst.to_json() if best.worst else None},
         }
 
 
+def _scalar_or_list(values: Tuple) -> object:
+    """A single swept value as itself (the JSON of a one-value run), several as a list."""
+    return values[0] if len(values) == 1 else list(values)
+
+
 def _make_candidates(spec: SimSpec) -> List[Candidate]:
-    return [Candidate(p, h, b) for p in spec.pool_sizes for h in spec.head_splits for b in spec.block_sizes]
+    return [Candidate(p, h, b, t, m) for p in spec.pool_sizes for h in spec.head_splits for b in spec.block_sizes
+            for t in spec.taus for m in spec.chunk_counts]
 
 
 def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, result: SimResult) -> None:
@@ -425,7 +454,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
     flops = corpus.flops[win.ids]
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
-    distca: Dict[Tuple[int, int], np.ndarray] = {}
+    distca: Dict[Tuple[int, int, float, int], np.ndarray] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
         inter = _inter_pool(p, flops, orders)
@@ -433,11 +462,10 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
             for key, value in inter.items():
                 cand.inter[key].append(value)
             _record_candidate(cand, ev, win, orders, spec)
-            hb = (cand.head_split, cand.block_size)
-            if spec.distca and hb not in distca:
-                distca[hb] = _distca_steps(ev, win, hb, spec)
+            if spec.distca and cand.knobs not in distca:
+                distca[cand.knobs] = _distca_steps(ev, win, cand.knobs, spec)
             if spec.distca:
-                cand.steps["distca"].seconds.extend(distca[hb].tolist())
+                cand.steps["distca"].seconds.extend(distca[cand.knobs].tolist())
     ev.clear()
 
 
@@ -484,7 +512,7 @@ def _window_results(num_windows: int, jobs: int):
 
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
                    jobs: int = 1) -> SimResult:
-    """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B) and the baselines.
+    """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B, tau, M) and the baselines.
 
     ``jobs`` > 1 simulates windows in that many forked processes; results are identical to jobs=1.
     """
@@ -495,7 +523,7 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
     num_windows = _num_windows(len(corpus.segments), spec)
     layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
     ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
-                       spec.dims.elem_bytes, spec.tau, spec.num_chunks, spec.cost)
+                       spec.dims.elem_bytes, spec.cost)
     result = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), num_windows,
                        len(corpus.segments), corpus.num_documents)
     _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)
