@@ -19,9 +19,8 @@ from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.plan.validate import validate_plan
 
-from libra_megatron.plan.traces import find_trace
+from libra_megatron.testing.traces import packed_trace_segments
 
-TRACE = find_trace("linux-6.12-files.qwen.txt")
 SHAPES = {  # name: (L, P, CP, B, H, M, budget_ms for the whole pool plan)
     "1M": (1 << 20, 8, 16, 8192, 4, 2, 50.0),
     "256K": (1 << 18, 8, 8, 4096, 1, 4, 20.0),
@@ -29,18 +28,8 @@ SHAPES = {  # name: (L, P, CP, B, H, M, budget_ms for the whole pool plan)
 
 
 def packed_segments(L: int, P: int, rng) -> list:
-    lens = np.array([int(x) for x in open(TRACE) if x.strip() and not x.startswith("#")])
-    stream = lens[rng.permutation(lens.size)]
-    out, i = [], 0
-    for _ in range(P):
-        seg, left = [], L
-        while left:
-            take = int(min(stream[i], left))
-            seg.append(take)
-            left -= take
-            i += 1
-        out.append(seg)
-    return out
+    """P packed sequences of L tokens from the real Linux trace (GPTDataset-style packing)."""
+    return packed_trace_segments(rng, P, L)
 
 
 def time_ms(fn, repeats: int):

@@ -15,9 +15,8 @@ from libra_megatron.plan.execute import (
 )
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.traces import find_trace
+from libra_megatron.testing.traces import packed_trace_segments
 
-TRACE = find_trace("linux-6.12-files.qwen.txt")
 SETTINGS = dict(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -51,19 +50,7 @@ def _partition(draw, L):
 
 def trace_segments(P, L, rng, scale=400):
     """Megatron-style packing of real linux-6.12 document lengths, scaled down by ``scale``, cut at L."""
-    lens = np.array([int(x) for x in open(TRACE) if x.strip() and not x.startswith("#")])
-    start = int(rng.integers(0, lens.size - 1000))
-    stream = np.maximum(1, lens[start : start + 1000] // scale)
-    out, i = [], 0
-    for _ in range(P):
-        seg, left = [], L
-        while left:
-            take = int(min(stream[i % stream.size], left))
-            seg.append(take)
-            left -= take
-            i += 1
-        out.append(seg)
-    return out
+    return packed_trace_segments(rng, P, L, scale=1.0 / scale)
 
 
 # ------------------------------------------------------------------ independent references

@@ -6,13 +6,11 @@ over its whole packed sequence) and returns errors and byte counts; the tests as
 """
 from __future__ import annotations
 
-import os
 from typing import List
 
 import numpy as np
-from libra_megatron.plan.traces import find_trace
+from libra_megatron.testing.traces import trace_lengths
 
-TRACE = find_trace("linux-6.12-files.qwen.txt")
 # (hq, hkv, H, M): GQA ratios 1, 4, 8; H in {1,2,4} (H <= hkv and H > hkv); M in {1,2,4}; shared kv pieces.
 HEAD_CONFIGS = [(8, 8, 2, 2), (8, 2, 1, 4), (8, 1, 4, 2), (8, 2, 4, 1), (16, 2, 2, 1), (4, 4, 4, 1),
                 (8, 8, 1, 4), (16, 4, 2, 2), (8, 1, 1, 1)]
@@ -22,7 +20,7 @@ POOL_SHAPES = {2: [(1, 2), (2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}  # world s
 def trace_segments(rng: np.random.Generator, num_seqs: int, seq_len: int) -> List[List[int]]:
     """Megatron-style packing of real Linux-trace documents scaled by seq_len/3000 (so a median document
     is ~0.4 L and the tail spans whole sequences): shuffle, concatenate, cut every L tokens."""
-    lens = _trace_lengths()
+    lens = trace_lengths()
     picked = rng.choice(lens, size=8 * num_seqs)
     scaled = np.maximum(1, np.round(picked * seq_len / 3000.0)).astype(np.int64)
     stream, out, current, room = list(scaled), [], [], seq_len
@@ -36,16 +34,6 @@ def trace_segments(rng: np.random.Generator, num_seqs: int, seq_len: int) -> Lis
                 out.append(current)
                 current, room = [], seq_len
     return out
-
-
-_TRACE_CACHE: list = []
-
-
-def _trace_lengths() -> np.ndarray:
-    if not _TRACE_CACHE:
-        with open(TRACE) as fh:
-            _TRACE_CACHE.append(np.array([int(x) for x in fh if x.strip() and not x.startswith("#")]))
-    return _TRACE_CACHE[0]
 
 
 def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
@@ -161,7 +149,6 @@ def run_stale_case(rank: int, case: dict) -> str:
 
 
 def run_ulysses_case(rank: int, case: dict) -> List[float]:
-    import torch
     import torch.distributed as dist
 
     from libra_megatron.plan.layout import TokenLayout
