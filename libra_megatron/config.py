@@ -182,7 +182,9 @@ class LibraConfig:
             )
 
     def _validate_layout(self, seq_length: int, cp: int) -> None:
-        chunks = 2 * cp if self.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+        from .plan.layout import TokenLayout  # the one CP-chunk rule (plan imports config, not at import time)
+
+        chunks = TokenLayout.cp_chunk_count(self.token_layout, cp)
         if seq_length % chunks:
             raise ValueError(
                 f"--seq-length {seq_length} must be divisible by {chunks} CP chunks "

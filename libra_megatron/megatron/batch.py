@@ -19,6 +19,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..config import TokenLayoutKind
+from ..plan.layout import TokenLayout
 
 __all__ = ["LibraPackedSeqParams", "cp_shard_indices", "segment_position_ids", "build_libra_batch"]
 
@@ -37,28 +38,23 @@ class LibraPackedSeqParams(PackedSeqParams):
     libra_position: int = 0
 
 
-def _num_chunks(cp: int, layout: TokenLayoutKind) -> int:
-    return 2 * cp if TokenLayoutKind(layout) is TokenLayoutKind.ZIGZAG and cp > 1 else cp
-
-
 def cp_shard_indices(seq_len: int, cp: int, cp_rank: int, layout) -> np.ndarray:
     """Global positions CP rank ``cp_rank`` holds, in local order: int64 (seq_len / cp,).
 
-    contiguous: ``[c*L/CP, (c+1)*L/CP)``; zigzag (CP > 1): chunks c and 2*CP-1-c of L/(2*CP) tokens
-    (megatron-core's ``get_batch_on_this_cp_rank``). Equals ``plan.layout.TokenLayout.local_to_global``.
+    ``plan.layout.TokenLayout.local_to_global`` (contiguous: ``[c*L/CP, (c+1)*L/CP)``; zigzag, CP > 1: CP
+    chunks c and 2*CP-1-c of L/(2*CP) tokens, megatron-core's ``get_batch_on_this_cp_rank``), with the
+    error naming the flags.
     """
     layout = TokenLayoutKind(layout)
     if cp < 1 or not 0 <= cp_rank < cp:
         raise ValueError(f"CP rank {cp_rank} must lie in [0, CP={cp})")
-    chunks = _num_chunks(cp, layout)
+    chunks = TokenLayout.cp_chunk_count(layout, cp)
     if seq_len % chunks:
         raise ValueError(
             f"--seq-length {seq_len} must be divisible by {chunks} CP chunks "
             f"(--libra-token-layout={layout.value}, CP={cp}; {seq_len} % {chunks} = {seq_len % chunks})"
         )
-    size = seq_len // chunks
-    mine = [cp_rank] if chunks == cp else [cp_rank, 2 * cp - 1 - cp_rank]
-    return np.concatenate([np.arange(k * size, (k + 1) * size, dtype=np.int64) for k in mine])
+    return TokenLayout(layout, seq_len, cp).local_to_global(cp_rank)
 
 
 def segment_position_ids(segments) -> np.ndarray:

@@ -4,10 +4,9 @@ Design choice: *every rank plans deterministically from the same metadata*. The 
 the segment lengths of all P packed sequences of its pool (``libra_pool_segments``); ``plan_pool`` is a
 pure function of (segments, LibraConfig, TokenLayout, HeadLayout), so the P*CP ranks of a pool compute
 byte-identical plans with no broadcast. Agreement is verified by fingerprint: ``libra_attn_func`` checks
-the ranks' plan fingerprints before its first collective, and ``check_plan_fingerprints`` does the same
-explicitly (one small all_gather) for callers that want it outside the attention op. Compared with a
-coordinator broadcasting a codec-encoded plan, this costs P*CP-fold redundant CPU work (a few ms per pool
-at our sizes, on an otherwise idle core) but needs no extra collective on the step's critical path.
+the ranks' plan fingerprints before its first collective. Compared with a coordinator broadcasting an
+encoded plan, this costs P*CP-fold redundant CPU work (a few ms per pool at our sizes, on an otherwise
+idle core) but needs no extra collective on the step's critical path.
 
 Usage (one ``BackgroundPlanner`` per training process)::
 
@@ -41,11 +40,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import numpy as np
 
 from ..config import LibraConfig
-from ..plan.errors import PlanError
 from ..plan.layout import HeadLayout, TokenLayout
 
-__all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "check_plan_fingerprints",
-           "build_planner_from_args"]
+__all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "build_planner_from_args"]
 
 PlanFn = Callable[..., Any]  # plan_pool(seq_segments, config, layout, heads, validate=...) -> PoolPlan
 
@@ -275,26 +272,6 @@ class BackgroundPlanner:
         finished.sort(key=lambda k: self._slots[k].gets_owed > 0)  # stable: keeps LRU order within each group
         for key in finished[: max(0, len(finished) - self._capacity)]:
             del self._slots[key]
-
-
-def check_plan_fingerprints(fingerprint: str, group) -> None:
-    """All-gather the 128-bit plan fingerprint over ``group``; PlanError on every rank if any differ.
-
-    Every rank raises (not only the odd one out), so no rank is left waiting in a later collective.
-    """
-    import torch
-    import torch.distributed as dist
-
-    words = np.frombuffer(bytes.fromhex(fingerprint.ljust(32, "0")[:32]), dtype=np.int64).copy()
-    mine = torch.from_numpy(words)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-    if differing:
-        raise PlanError(
-            f"plan fingerprints differ across the pool group: ranks {differing} disagree with rank 0 "
-            "(the ranks planned from different metadata or configs)"
-        )
 
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence, Tuple
 
 import numpy as np
@@ -137,7 +137,6 @@ class ExchangePlan:
     bytes_q: int = 0  # pool totals per layer forward, remote only
     bytes_kv: int = 0
     bytes_o: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_workers(self) -> int:
@@ -247,7 +246,7 @@ def _home_pieces(tiles):
     """Per sample-home fragment: local token start at its worker and offset inside the sample."""
     layout = tiles.layout
     bounds = layout.boundaries()
-    chunk_local = np.array([c.local_start for c in layout.chunks()], dtype=np.int64)
+    chunk_local = np.array([c.local_start for c in layout.cp_chunks()], dtype=np.int64)
     ptr, count = tiles.sample_home_ptr, tiles.sample_home_count
     owner = np.repeat(np.arange(tiles.num_samples, dtype=np.int64), np.diff(ptr))
     offset = _segment_starts(owner, count, tiles.num_samples)
@@ -489,5 +488,4 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     return ExchangePlan(
         ranks=_LazyRankPlans(tables), assignment=assignment, fingerprint=fp,
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
-        extra={"hosted_order": order, "q_pieces": q_pieces, "kv_pieces": kv_pieces},
     )

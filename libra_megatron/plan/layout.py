@@ -14,11 +14,11 @@ import numpy as np
 from ..config import TokenLayoutKind
 from .errors import PlanError
 
-__all__ = ["TokenLayout", "HeadLayout", "Chunk"]
+__all__ = ["TokenLayout", "HeadLayout", "CpChunk"]
 
 
 @dataclass(frozen=True)
-class Chunk:
+class CpChunk:
     """A run of global positions ``[start, end)`` of one packed sequence held by one CP rank."""
 
     cp_rank: int
@@ -32,8 +32,9 @@ class TokenLayout:
     """How each packed sequence of ``seq_len`` tokens is split over ``cp`` ranks.
 
     contiguous: rank c holds [c*L/CP, (c+1)*L/CP).
-    zigzag:     L is cut into 2*CP equal chunks; rank c holds chunk c then chunk 2*CP-1-c
+    zigzag:     L is cut into 2*CP equal CP chunks; rank c holds chunk c then chunk 2*CP-1-c
                 (Megatron's load-balanced causal CP split). With CP=1 both are identical.
+    This class is the one place that states the rule (config, the Megatron batch and the simulator call it).
     """
 
     kind: TokenLayoutKind
@@ -44,51 +45,57 @@ class TokenLayout:
         object.__setattr__(self, "kind", TokenLayoutKind(self.kind))
         if self.cp < 1 or self.seq_len < 1:
             raise PlanError(f"TokenLayout needs seq_len >= 1 and cp >= 1, got {self.seq_len}, {self.cp}")
-        if self.seq_len % self.num_chunks:
+        if self.seq_len % self.num_cp_chunks:
             raise PlanError(
-                f"seq_len {self.seq_len} is not divisible by {self.num_chunks} chunks "
+                f"seq_len {self.seq_len} is not divisible by {self.num_cp_chunks} CP chunks "
                 f"({self.kind.value} layout, CP={self.cp})"
             )
 
+    @staticmethod
+    def cp_chunk_count(kind, cp: int) -> int:
+        """CP chunks a packed sequence is cut into: 2*CP for zigzag with CP > 1, else CP."""
+        return 2 * cp if TokenLayoutKind(kind) is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+
     @property
-    def num_chunks(self) -> int:
-        return 2 * self.cp if self.kind is TokenLayoutKind.ZIGZAG and self.cp > 1 else self.cp
+    def num_cp_chunks(self) -> int:
+        return self.cp_chunk_count(self.kind, self.cp)
 
     @property
     def local_len(self) -> int:
         """Tokens per CP rank."""
         return self.seq_len // self.cp
 
-    def chunks(self) -> List[Chunk]:
-        """All chunks sorted by global start."""
-        size = self.seq_len // self.num_chunks
+    def cp_chunks(self) -> List[CpChunk]:
+        """All CP chunks sorted by global start."""
+        n = self.num_cp_chunks
+        size = self.seq_len // n
         out = []
-        for i in range(self.num_chunks):
-            if self.num_chunks == self.cp:
+        for i in range(n):
+            if n == self.cp:
                 rank, local = i, 0
             else:
                 rank = i if i < self.cp else 2 * self.cp - 1 - i
                 local = 0 if i < self.cp else size
-            out.append(Chunk(rank, i * size, (i + 1) * size, local))
+            out.append(CpChunk(rank, i * size, (i + 1) * size, local))
         return out
 
     def boundaries(self) -> np.ndarray:
-        """Global positions where the holder changes (chunk starts, plus seq_len), int64."""
-        size = self.seq_len // self.num_chunks
+        """Global positions where the holder changes (CP chunk starts, plus seq_len), int64."""
+        size = self.seq_len // self.num_cp_chunks
         return np.arange(0, self.seq_len + 1, size, dtype=np.int64)
 
     def global_to_local(self) -> Tuple[np.ndarray, np.ndarray]:
         """For every global position: (cp_rank, local index). Two int64 arrays of length seq_len."""
         rank = np.empty(self.seq_len, dtype=np.int64)
         local = np.empty(self.seq_len, dtype=np.int64)
-        for ch in self.chunks():
+        for ch in self.cp_chunks():
             rank[ch.start : ch.end] = ch.cp_rank
             local[ch.start : ch.end] = ch.local_start + np.arange(ch.end - ch.start)
         return rank, local
 
     def local_to_global(self, cp_rank: int) -> np.ndarray:
         """Global positions of rank ``cp_rank``'s local tokens, in local order (int64, local_len)."""
-        parts = [np.arange(c.start, c.end, dtype=np.int64) for c in self.chunks() if c.cp_rank == cp_rank]
+        parts = [np.arange(c.start, c.end, dtype=np.int64) for c in self.cp_chunks() if c.cp_rank == cp_rank]
         return np.concatenate(parts)
 
 

@@ -165,8 +165,8 @@ def build_tiles(
     pool_size = len(segs)
     L, cp = layout.seq_len, layout.cp
     chunk_cuts = layout.boundaries()
-    chunk_rank = np.array([c.cp_rank for c in layout.chunks()], dtype=np.int64)
-    chunk_local = np.array([c.local_start for c in layout.chunks()], dtype=np.int64)
+    chunk_rank = np.array([c.cp_rank for c in layout.cp_chunks()], dtype=np.int64)
+    chunk_local = np.array([c.local_start for c in layout.cp_chunks()], dtype=np.int64)
     block_cuts = np.union1d(np.arange(0, L + 1, block_size, dtype=np.int64), chunk_cuts)
     block_cuts = np.union1d(block_cuts, [L])
     acc = {k: [] for k in ("sseq", "sstart", "slen", "hptr", "hwork", "hcnt", "bseq", "bstart", "bend",

@@ -139,7 +139,7 @@ def _validate_spec(spec: SimSpec) -> None:
     if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts):
         raise ValueError("--pool-size, --head-split, --block-size, --tau and --num-chunks each need at least one value")
     _validate_heads(spec)
-    chunks = 2 * cp if spec.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+    chunks = TokenLayout.cp_chunk_count(spec.token_layout, cp)
     if spec.seq_len % chunks:
         raise ValueError(f"--seq-len {spec.seq_len} must be divisible by {chunks} CP chunks (--token-layout "
                          f"{spec.token_layout.value}, --cp {cp}): {spec.seq_len} % {chunks} = {spec.seq_len % chunks}")

@@ -15,18 +15,24 @@ from libra_megatron.megatron.batch import (
     segment_position_ids,
 )
 from libra_megatron.megatron.segments import gpt_sample_segments
-from libra_megatron.plan.layout import TokenLayout
 
 
 @settings(max_examples=60, deadline=None)
 @given(cp=st.integers(1, 8), per_chunk=st.integers(1, 9), kind=st.sampled_from(list(TokenLayoutKind)))
-def test_cp_shard_indices_equal_token_layout_local_to_global(cp, per_chunk, kind):
-    seq_len = per_chunk * (2 * cp if kind is TokenLayoutKind.ZIGZAG else cp)
-    layout = TokenLayout(kind, seq_len, cp)
-    shards = [cp_shard_indices(seq_len, cp, c, kind) for c in range(cp)]
+def test_cp_shard_indices_are_the_contiguous_or_zigzag_chunks(cp, per_chunk, kind):
+    zigzag = kind is TokenLayoutKind.ZIGZAG and cp > 1
+    size = per_chunk if zigzag else 2 * per_chunk
+    seq_len = size * (2 * cp if zigzag else cp)
     for c in range(cp):
-        assert shards[c].tolist() == layout.local_to_global(c).tolist()
-    assert sorted(np.concatenate(shards).tolist()) == list(range(seq_len))
+        want = list(range(c * size, (c + 1) * size))
+        if zigzag:  # hand reference of Megatron's split: chunks c and 2*CP-1-c
+            want += list(range((2 * cp - 1 - c) * size, (2 * cp - c) * size))
+        assert cp_shard_indices(seq_len, cp, c, kind).tolist() == want
+
+
+def test_cp_shard_indices_error_names_the_flags():
+    with pytest.raises(ValueError, match=r"--seq-length 12 must be divisible by 8 CP chunks \(--libra-token-layout=zigzag"):
+        cp_shard_indices(12, 4, 0, "zigzag")
 
 
 @pytest.mark.parametrize("cp", [2, 4])

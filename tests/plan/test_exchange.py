@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.plan.exchange import build_exchange_plan
-from libra_megatron.plan.execute import (
+from libra_megatron.testing.execute import (
     attention_numpy, gather_from_workers, return_kv_grads_numpy, return_outputs_numpy, run_routes_numpy,
     scatter_to_workers,
 )

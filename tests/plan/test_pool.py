@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.config import LibraConfig, TilePlacement
-from libra_megatron.plan.execute import attention_numpy, gather_from_workers, scatter_to_workers
+from libra_megatron.testing.execute import attention_numpy, gather_from_workers, scatter_to_workers
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.pool import plan_pool
 

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .exchange import ExchangePlan, Route, kv_rows, q_rows
+from ..plan.exchange import ExchangePlan, Route, kv_rows, q_rows
 
 __all__ = [
     "exchange_numpy", "run_routes_numpy", "return_outputs_numpy", "return_kv_grads_numpy", "attention_numpy",
