@@ -9,11 +9,11 @@ varlen entry, per query row and per key row. ``TileCostModel`` prices one SH-Til
 with, for tile t = (block b, head shard h), hs = hq / H query heads and M = heads.num_chunks:
     pairs(t)    = hs * sum_j sum_{q=a_j}^{e_j - 1} (q + 1)    Eq. 6 causal query-key pairs x heads (tile_flops)
     rows(t)     = hs * (tokens of block b)                     query rows x heads
-    entries(t)  = M * (fragments of block b)                   varlen entries: one per sample fragment per chunk call
+    entries(t)  = M * (fragments of block b)                   varlen entries: one per document fragment per chunk call
     key_rows(t) = hs * sum_j e_j                               key-prefix rows read per fragment x heads
-where fragment j covers sample-local query rows [a_j, e_j) and attends the key prefix [0, e_j).
+where fragment j covers doc-local query rows [a_j, e_j) and attends the key prefix [0, e_j).
 The sum over a worker's tiles is its predicted kernel time (fwd + bwd when calibrated on fwd + bwd).
-It is additive over tiles: the exchange plan merges fragments of one sample that continue across
+It is additive over tiles: the exchange plan merges fragments of one document that continue across
 consecutive blocks on the same worker and head into one entry, so per_entry is slightly overcharged there.
 ``per_call`` (seconds per kernel call) is fitted so it does not bias the other terms, but it is the same
 for every worker that hosts any tile (M calls), so it is not part of a tile's cost.
@@ -40,7 +40,7 @@ class TileCostModel:
 
     per_pair_head     s per causal query-key pair and query head (Eq. 6 unit)
     per_row_head      s per query row and query head
-    per_entry         s per varlen entry (one sample fragment in one kernel call)
+    per_entry         s per varlen entry (one document fragment in one kernel call)
     per_key_row_head  s per key-prefix row and query head
     per_call          s per kernel call (not charged to tiles; same on every busy worker)
     """

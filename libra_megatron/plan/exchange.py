@@ -6,7 +6,7 @@ Units. All routes move *units*. A Q unit (and a KV unit) is ``local_token * H + 
 rank's local buffer on head shard h. The runtime maps a unit to a row of the tensor view of chunk m
 with ``HeadLayout``-derived formulas (see ``q_rows`` / ``kv_rows``):
     q  (t, hq, d)  viewed as (t*H*M, q_piece, d):           row = unit*M + m
-    k/v (t, hkv, d) viewed as (t*kv_pieces, kv_piece, d):   row = (unit//H)*kv_pieces + kv_piece_index[unit%H, m]
+    k/v (t, hkv, d) viewed as (t*kv_runs, kv_piece, d):   row = (unit//H)*kv_pieces + kv_piece_index[unit%H, m]
 So every chunk moves the same units; chunk m carries the m-th head piece of every tile (§4.4).
 
 Route. One all_to_all pattern seen from one rank (see ``Route``). Forward routes gather from the local
@@ -15,7 +15,7 @@ backward route: it gathers from the arranged buffer and *accumulates* into the l
 which sums dK/dV fragments fetched by several destinations.
 
 RankPlan. What one rank executes: its Q route (Q dispatch; inverse = O return, dQ return), its KV route
-(KV fetch, deduplicated per (sample, head shard, destination); inverse = dK/dV return) and the varlen
+(KV fetch, deduplicated per (doc, head shard, destination); inverse = dK/dV return) and the varlen
 metadata of the tiles it hosts, over its arranged buffers.
 
 ExchangePlan. The pool-wide plan: one RankPlan per worker, the tile assignment it realises, byte totals
@@ -42,7 +42,7 @@ def q_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
 
 
 def kv_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
-    """Rows of the chunk view (t*kv_pieces, kv_piece, d) of a local K/V buffer for the given units."""
+    """Rows of the chunk view (t*kv_runs, kv_piece, d) of a local K/V buffer for the given units."""
     units = np.asarray(units, dtype=np.int64)
     piece = heads.kv_piece_index()[units % heads.head_split, chunk]
     return (units // heads.head_split) * heads.kv_pieces_per_token + piece
@@ -93,12 +93,12 @@ class RankPlan:
     """Everything rank ``rank`` of the pool needs to run ``libra_attn_func`` for one pool instance.
 
     Arranged buffers (destination side): ``q_route.target_len`` Q units in hosted-tile order and
-    ``kv_route.target_len`` KV units, every fetched KV group contiguous in sample order.
-    Varlen batch over the hosted tiles (one entry per (tile run, sample fragment)):
+    ``kv_route.target_len`` KV units, every fetched KV group contiguous in doc order.
+    Varlen batch over the hosted tiles (one entry per (tile run, doc fragment)):
         cu_seqlens_q  int64 [n_seqs+1]  query rows [cu_q[i], cu_q[i+1]) of the arranged Q buffer
-        seq_kv_offset int64 [n_seqs]    first arranged-KV row of the sample's group (sample position 0)
+        seq_kv_offset int64 [n_seqs]    first arranged-KV row of the doc's group (doc position 0)
         seq_k_len     int64 [n_seqs]    key prefix length e: keys = arranged KV[off : off+e]
-    Causal alignment is bottom-right: query row r of entry i sits at sample position
+    Causal alignment is bottom-right: query row r of entry i sits at doc position
     e - q_len + r and sees keys [0, e - q_len + r].
     """
 
@@ -149,16 +149,16 @@ class ExchangePlan:
 
 
 # ====================================================================================== builder
-# A *piece* moves ``count`` units of one source worker, starting at unit ``src_start`` with stride H
+# A *run* moves ``count`` units of one source worker, starting at unit ``src_start`` with stride H
 # (consecutive local tokens on one head shard), into rows [tgt_start, tgt_start+count) of the arranged
-# buffer of worker ``dst``. Q pieces are whole tiles; KV pieces are (referenced group, home fragment)
-# pairs. The pool-wide piece tables are small (O(tiles + groups*homes)); the per-rank unit arrays are
+# buffer of worker ``dst``. Q runs are whole tiles; KV runs are (referenced group, home fragment)
+# pairs. The pool-wide run tables are small (O(tiles + groups*homes)); the per-rank unit arrays are
 # materialised from them on first access (one rank usually needs only its own RankPlan).
 
 
 @dataclass(frozen=True, eq=False)
-class _Pieces:
-    """Pool-wide piece table, int64 arrays of equal length, stride = head_split for every piece."""
+class _UnitRuns:
+    """Pool-wide table of unit runs, int64 arrays of equal length, stride = head_split for every run."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -170,7 +170,7 @@ class _Pieces:
         return (self.src, self.dst, self.src_start, self.count, self.tgt_start)
 
     def remote_units(self) -> np.ndarray:
-        """int64 [n]: units of each piece that cross workers (0 for self pieces)."""
+        """int64 [n]: units of each run that cross workers (0 for self runs)."""
         return np.where(self.src != self.dst, self.count, 0)
 
 
@@ -209,24 +209,24 @@ def _hosted_order(tiles, assignment: np.ndarray) -> np.ndarray:
     return np.lexsort((t // tiles.head_split, t % tiles.head_split, assignment)).astype(np.int64)
 
 
-def _q_pieces(tiles, assignment: np.ndarray, order: np.ndarray):
-    """One Q piece per tile, in hosted order; returns (pieces, q_target_len per destination)."""
+def _q_runs(tiles, assignment: np.ndarray, order: np.ndarray):
+    """One Q run per tile, in hosted order; returns (runs, q_target_len per destination)."""
     H, W = tiles.head_split, tiles.num_workers
     block, head = order // H, order % H
     count = tiles.block_end[block] - tiles.block_start[block]
     dst = assignment[order]
     tgt = _segment_starts(dst, count, W)
-    pieces = _Pieces(
+    runs = _UnitRuns(
         src=tiles.block_home[block], dst=dst, src_start=tiles.block_local_start[block] * H + head,
         count=count, tgt_start=tgt,
     )
-    return pieces, np.bincount(dst, weights=count, minlength=W).astype(np.int64)
+    return runs, np.bincount(dst, weights=count, minlength=W).astype(np.int64)
 
 
 def _fragment_entries(tiles, order: np.ndarray):
-    """Expand hosted tiles into (tile, sample fragment) entries, in hosted order.
+    """Expand hosted tiles into (tile, doc fragment) entries, in hosted order.
 
-    Returns int64 arrays: entry_tile (index into ``order``), head, sample, a, e (sample-local query rows
+    Returns int64 arrays: entry_tile (index into ``order``), head, doc, a, e (doc-local query rows
     [a, e)), row_in_block (first query row of the fragment inside its tile).
     """
     H = tiles.head_split
@@ -234,51 +234,51 @@ def _fragment_entries(tiles, order: np.ndarray):
     nfrag = tiles.frag_ptr[block + 1] - tiles.frag_ptr[block]
     frag = _expand(tiles.frag_ptr[block], nfrag, 1)
     entry_tile = np.repeat(np.arange(order.size, dtype=np.int64), nfrag)
-    sample = tiles.frag_sample[frag]
+    doc = tiles.frag_doc[frag]
     a, e = tiles.frag_q_start[frag], tiles.frag_q_end[frag]
-    row_in_block = tiles.sample_start[sample] + a - tiles.block_start[block[entry_tile]]
+    row_in_block = tiles.doc_start[doc] + a - tiles.block_start[block[entry_tile]]
     return dict(
-        entry_tile=entry_tile, head=order[entry_tile] % H, sample=sample, a=a, e=e, row_in_block=row_in_block,
+        entry_tile=entry_tile, head=order[entry_tile] % H, doc=doc, a=a, e=e, row_in_block=row_in_block,
     )
 
 
-def _home_pieces(tiles):
-    """Per sample-home fragment: local token start at its worker and offset inside the sample."""
+def _home_runs(tiles):
+    """Per doc-home fragment: local token start at its worker and offset inside the doc."""
     layout = tiles.layout
     bounds = layout.boundaries()
     chunk_local = np.array([c.local_start for c in layout.cp_chunks()], dtype=np.int64)
-    ptr, count = tiles.sample_home_ptr, tiles.sample_home_count
-    owner = np.repeat(np.arange(tiles.num_samples, dtype=np.int64), np.diff(ptr))
-    offset = _segment_starts(owner, count, tiles.num_samples)
-    gstart = tiles.sample_start[owner] + offset
+    ptr, count = tiles.doc_home_ptr, tiles.doc_home_count
+    owner = np.repeat(np.arange(tiles.num_docs, dtype=np.int64), np.diff(ptr))
+    offset = _segment_starts(owner, count, tiles.num_docs)
+    gstart = tiles.doc_start[owner] + offset
     chunk = np.searchsorted(bounds, gstart, side="right") - 1
     return offset, chunk_local[chunk] + gstart - bounds[chunk]
 
 
 def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.ndarray):
-    """KV pieces (deduplicated per (group, destination)), KV target lengths per destination, merged varlen
-    entries, and the referenced pairs as int64 [4, n_pairs] rows (dst, h, sample, arranged KV offset)."""
-    H, W, S = tiles.head_split, tiles.num_workers, tiles.num_samples
+    """KV runs (deduplicated per (group, destination)), KV target lengths per destination, merged varlen
+    entries, and the referenced pairs as int64 [4, n_pairs] rows (dst, h, doc, arranged KV offset)."""
+    H, W, S = tiles.head_split, tiles.num_workers, tiles.num_docs
     ent = _fragment_entries(tiles, order)
     it = ent["entry_tile"]
     dst = assignment[order][it]
-    sample, head = ent["sample"], ent["head"]
-    key = (dst * H + head) * S + sample  # non-decreasing in hosted order
+    doc, head = ent["doc"], ent["head"]
+    key = (dst * H + head) * S + doc  # non-decreasing in hosted order
     new_pair = np.ones(key.size, dtype=bool)
     new_pair[1:] = key[1:] != key[:-1]
-    pair_dst, pair_head, pair_sample = dst[new_pair], head[new_pair], sample[new_pair]
-    pair_len = tiles.sample_len[pair_sample]
+    pair_dst, pair_head, pair_doc = dst[new_pair], head[new_pair], doc[new_pair]
+    pair_len = tiles.doc_len[pair_doc]
     pair_off = _segment_starts(pair_dst, pair_len, W)
     entry_pair = np.cumsum(new_pair) - 1
     varlen = _merge_entries(dst, key, ent["a"], ent["e"], q_tgt[it] + ent["row_in_block"], pair_off[entry_pair], W)
-    kv = _kv_pieces(tiles, pair_dst, pair_head, pair_sample, pair_off)
+    kv = _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off)
     kv_len = np.bincount(pair_dst, weights=pair_len, minlength=W).astype(np.int64)
-    pairs = np.stack([pair_dst, pair_head, pair_sample, pair_off])
+    pairs = np.stack([pair_dst, pair_head, pair_doc, pair_off])
     return kv, kv_len, varlen, pairs
 
 
 def _merge_entries(dst, key, a, e, q_start, kv_off, num_workers: int) -> _Varlen:
-    """Merge consecutive entries of one (destination, head, sample) whose query rows continue (e == next a)."""
+    """Merge consecutive entries of one (destination, head, doc) whose query rows continue (e == next a)."""
     start = np.ones(key.size, dtype=bool)
     start[1:] = (key[1:] != key[:-1]) | (e[:-1] != a[1:])
     idx = np.flatnonzero(start)
@@ -289,43 +289,43 @@ def _merge_entries(dst, key, a, e, q_start, kv_off, num_workers: int) -> _Varlen
     return _Varlen(dst_ptr=dst_ptr, q_start=q_start[idx], q_len=q_len, kv_offset=kv_off[idx], k_len=e[last])
 
 
-def _kv_pieces(tiles, pair_dst, pair_head, pair_sample, pair_off) -> _Pieces:
-    """Expand every referenced (group, destination) pair into the sample's home fragments."""
+def _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off) -> _UnitRuns:
+    """Expand every referenced (group, destination) pair into the doc's home fragments."""
     H = tiles.head_split
-    offset, local_start = _home_pieces(tiles)
-    ptr = tiles.sample_home_ptr
-    nh = ptr[pair_sample + 1] - ptr[pair_sample]
-    home = _expand(ptr[pair_sample], nh, 1)
-    pair = np.repeat(np.arange(pair_sample.size, dtype=np.int64), nh)
-    return _Pieces(
-        src=tiles.sample_home_worker[home], dst=pair_dst[pair], src_start=local_start[home] * H + pair_head[pair],
-        count=tiles.sample_home_count[home], tgt_start=pair_off[pair] + offset[home],
+    offset, local_start = _home_runs(tiles)
+    ptr = tiles.doc_home_ptr
+    nh = ptr[pair_doc + 1] - ptr[pair_doc]
+    home = _expand(ptr[pair_doc], nh, 1)
+    pair = np.repeat(np.arange(pair_doc.size, dtype=np.int64), nh)
+    return _UnitRuns(
+        src=tiles.doc_home_worker[home], dst=pair_dst[pair], src_start=local_start[home] * H + pair_head[pair],
+        count=tiles.doc_home_count[home], tgt_start=pair_off[pair] + offset[home],
     )
 
 
 # ------------------------------------------------------------------ per-rank materialisation
-class _PieceIndex:
-    """A piece table sorted twice: by (src, dst, tgt) for the send side, by (dst, src, tgt) for receive.
+class _RunIndex:
+    """A run table sorted twice: by (src, dst, tgt) for the send side, by (dst, src, tgt) for receive.
 
-    Pieces arrive sorted by (dst, tgt), so a *stable* sort on the small integer key (dst, src) or
+    Runs arrive sorted by (dst, tgt), so a *stable* sort on the small integer key (dst, src) or
     (src, dst) keeps tgt order inside every pair (radix sort when W*W fits 16 bits).
     """
 
-    def __init__(self, pieces: _Pieces, num_workers: int):
+    def __init__(self, runs: _UnitRuns, num_workers: int):
         self.num_workers = num_workers
-        assert np.all(np.diff(pieces.dst) >= 0), "pieces must arrive sorted by destination"
-        self.by_src = self._sorted(pieces, pieces.src * num_workers + pieces.dst, pieces.src)
-        self.by_dst = self._sorted(pieces, pieces.dst * num_workers + pieces.src, pieces.dst)
+        assert np.all(np.diff(runs.dst) >= 0), "runs must arrive sorted by destination"
+        self.by_src = self._sorted(runs, runs.src * num_workers + runs.dst, runs.src)
+        self.by_dst = self._sorted(runs, runs.dst * num_workers + runs.src, runs.dst)
 
-    def _sorted(self, pieces: _Pieces, pair_key: np.ndarray, key: np.ndarray):
+    def _sorted(self, runs: _UnitRuns, pair_key: np.ndarray, key: np.ndarray):
         small = pair_key.astype(np.uint16) if self.num_workers ** 2 <= 1 << 16 else pair_key
         perm = np.argsort(small, kind="stable")
-        arrays = _Pieces(*(x[perm] for x in pieces.arrays()))
+        arrays = _UnitRuns(*(x[perm] for x in runs.arrays()))
         ptr = np.searchsorted(key[perm], np.arange(self.num_workers + 1), side="left")
         return arrays, ptr
 
     def route(self, rank: int, stride: int, source_len: int, target_len: int) -> Route:
-        """The forward route of ``rank``: send its pieces by destination, place received pieces."""
+        """The forward route of ``rank``: send its runs by destination, place received runs."""
         W = self.num_workers
         send, sptr = self.by_src
         recv, rptr = self.by_dst
@@ -353,8 +353,8 @@ class _PlanTables:
 
     heads: HeadLayout
     local_tokens: int
-    q: _PieceIndex
-    kv: _PieceIndex
+    q: _RunIndex
+    kv: _RunIndex
     q_len: np.ndarray  # int64 [W] arranged Q units per destination
     kv_len: np.ndarray  # int64 [W] arranged KV units per destination
     varlen: _Varlen
@@ -417,7 +417,7 @@ class _LazyRankPlans(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-def _bytes_sent(q: _Pieces, kv: _Pieces, heads: HeadLayout, num_workers: int) -> np.ndarray:
+def _bytes_sent(q: _UnitRuns, kv: _UnitRuns, heads: HeadLayout, num_workers: int) -> np.ndarray:
     """int64 [W, 3]: (Q, KV, O) bytes each worker sends to other workers in one layer forward."""
     W = num_workers
     q_remote = q.remote_units()
@@ -428,11 +428,11 @@ def _bytes_sent(q: _Pieces, kv: _Pieces, heads: HeadLayout, num_workers: int) ->
     return (np.stack([q_units, kv_units, o_units], axis=1).astype(np.int64) * per_unit).astype(np.int64)
 
 
-def _fingerprint(tiles, assignment: np.ndarray, q: _Pieces, pairs: np.ndarray, varlen: _Varlen) -> str:
-    """sha256 (first 128 bits, hex) over layout, heads, samples, assignment, Q pieces, KV pairs and varlen.
+def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray, varlen: _Varlen) -> str:
+    """sha256 (first 128 bits, hex) over layout, heads, docs, assignment, Q runs, KV pairs and varlen.
 
-    These determine every rank's arrays (KV pieces are the referenced pairs expanded over the sample
-    homes, which follow from the sample table and the layout), at a fraction of the bytes. sha256, not
+    These determine every rank's arrays (KV runs are the referenced pairs expanded over the doc
+    homes, which follow from the doc table and the layout), at a fraction of the bytes. sha256, not
     blake2b: it is hardware-accelerated on current x86/arm CPUs (measured ~3x faster on 400 KB here).
     """
     h = hashlib.sha256()
@@ -441,7 +441,7 @@ def _fingerprint(tiles, assignment: np.ndarray, q: _Pieces, pairs: np.ndarray, v
             hd.head_split, hd.num_chunks, hd.elem_bytes, tiles.block_size]
     h.update(lay.kind.value.encode())
     h.update(np.asarray(meta, dtype=np.int64).tobytes())
-    for arr in (tiles.sample_seq, tiles.sample_len, assignment, *q.arrays(), pairs, varlen.dst_ptr,
+    for arr in (tiles.doc_seq, tiles.doc_len, assignment, *q.arrays(), pairs, varlen.dst_ptr,
                 varlen.q_start, varlen.q_len, varlen.kv_offset, varlen.k_len):
         h.update(np.int64(arr.size).tobytes())
         h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
@@ -467,21 +467,21 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     """Turn a tile assignment (``assignment[t]`` = destination worker of tile t) into an ExchangePlan.
 
     Per destination, hosted tiles are ordered by (h, sequence, block start); the arranged Q buffer is
-    their query units in that order. Every referenced KV group g=(sample, h) (Eq. 7) is fetched once per
-    destination, complete, in sample-position order, groups ordered by (h, sample). Varlen entries are
-    (tile, sample fragment) pairs, consecutive entries of one group with continuing rows merged.
+    their query units in that order. Every referenced KV group g=(doc, h) (Eq. 7) is fetched once per
+    destination, complete, in doc-position order, groups ordered by (h, doc). Varlen entries are
+    (tile, doc fragment) pairs, consecutive entries of one group with continuing rows merged.
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
     Cost: O(tiles + fragments + referenced groups * homes) here; O(local units) per RankPlan on access.
     """
     assignment = _check_assignment(tiles, assignment)
     W, heads = tiles.num_workers, tiles.heads
     order = _hosted_order(tiles, assignment)
-    q_pieces, q_len = _q_pieces(tiles, assignment, order)
-    kv_pieces, kv_len, varlen, pairs = _kv_and_varlen(tiles, assignment, order, q_pieces.tgt_start)
-    sent = _bytes_sent(q_pieces, kv_pieces, heads, W)
-    fp = _fingerprint(tiles, assignment, q_pieces, pairs, varlen)
+    q_runs, q_len = _q_runs(tiles, assignment, order)
+    kv_runs, kv_len, varlen, pairs = _kv_and_varlen(tiles, assignment, order, q_runs.tgt_start)
+    sent = _bytes_sent(q_runs, kv_runs, heads, W)
+    fp = _fingerprint(tiles, assignment, q_runs, pairs, varlen)
     tables = _PlanTables(
-        heads=heads, local_tokens=tiles.layout.local_len, q=_PieceIndex(q_pieces, W), kv=_PieceIndex(kv_pieces, W),
+        heads=heads, local_tokens=tiles.layout.local_len, q=_RunIndex(q_runs, W), kv=_RunIndex(kv_runs, W),
         q_len=q_len, kv_len=kv_len, varlen=varlen, bytes_sent=sent, fingerprint=fp,
     )
     totals = sent.sum(axis=0)

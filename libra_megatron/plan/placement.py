@@ -95,13 +95,13 @@ def _tile_loads(tiles: TileSet, tile_cost) -> np.ndarray:
     return f
 
 
-def _sample_holdings(tiles: TileSet) -> Tuple[np.ndarray, np.ndarray]:
-    """Sorted keys ``sample * W + worker`` of every (sample, holder) pair and the tokens held, int64."""
+def _doc_holdings(tiles: TileSet) -> Tuple[np.ndarray, np.ndarray]:
+    """Sorted keys ``doc * W + worker`` of every (doc, holder) pair and the tokens held, int64."""
     W = tiles.num_workers
-    owner_sample = np.repeat(np.arange(tiles.num_samples), np.diff(tiles.sample_home_ptr))
-    # a worker may hold two zigzag chunks of one sample: sum its entries
-    keys, inverse = np.unique(owner_sample * W + tiles.sample_home_worker, return_inverse=True)
-    counts = np.bincount(inverse.reshape(-1), weights=tiles.sample_home_count, minlength=keys.size).astype(np.int64)
+    owner_doc = np.repeat(np.arange(tiles.num_docs), np.diff(tiles.doc_home_ptr))
+    # a worker may hold two zigzag chunks of one doc: sum its entries
+    keys, inverse = np.unique(owner_doc * W + tiles.doc_home_worker, return_inverse=True)
+    counts = np.bincount(inverse.reshape(-1), weights=tiles.doc_home_count, minlength=keys.size).astype(np.int64)
     return keys, counts
 
 
@@ -113,9 +113,9 @@ def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarr
     return np.where(keys[pos] == query, values[pos], 0)
 
 
-def _held_tokens(tiles: TileSet, samples: np.ndarray, workers: np.ndarray) -> np.ndarray:
-    """Tokens of each ``samples[i]`` held by ``workers[i]`` (vectorized over the sample-home CSR)."""
-    return _lookup(*_sample_holdings(tiles), samples * tiles.num_workers + workers)
+def _held_tokens(tiles: TileSet, docs: np.ndarray, workers: np.ndarray) -> np.ndarray:
+    """Tokens of each ``docs[i]`` held by ``workers[i]`` (vectorized over the doc-home CSR)."""
+    return _lookup(*_doc_holdings(tiles), docs * tiles.num_workers + workers)
 
 
 def assignment_comm_bytes(tiles: TileSet, assignment) -> Tuple[int, int, int]:
@@ -131,12 +131,12 @@ def assignment_comm_bytes(tiles: TileSet, assignment) -> Tuple[int, int, int]:
     o_bytes = int(tiles.tile_tokens()[migrated].sum()) * heads.o_bytes_per_token()
     frag_block = np.repeat(np.arange(tiles.num_blocks), np.diff(tiles.frag_ptr))
     tile_of_frag = frag_block[:, None] * H + np.arange(H)[None, :]
-    group = (tiles.frag_sample[:, None] * H + np.arange(H)[None, :]).reshape(-1)
+    group = (tiles.frag_doc[:, None] * H + np.arange(H)[None, :]).reshape(-1)
     dest = assignment[tile_of_frag.reshape(-1)]
     pairs = np.unique(group * tiles.num_workers + dest)
     g, r = np.divmod(pairs, tiles.num_workers)
-    sample = g // H
-    missing = tiles.sample_len[sample] - _held_tokens(tiles, sample, r)
+    doc = g // H
+    missing = tiles.doc_len[doc] - _held_tokens(tiles, doc, r)
     kv_bytes = int(missing.sum()) * heads.kv_bytes_per_token()
     return q_bytes, kv_bytes, o_bytes
 
@@ -159,11 +159,11 @@ def _tile_order(tile_flops: np.ndarray) -> np.ndarray:
 class _Static:
     """Per-block Python lists the greedy loop reads (built once, vectorized up to the final lists).
 
-    The *candidates* of a block are its home and the workers holding a fragment of its samples: every
+    The *candidates* of a block are its home and the workers holding a fragment of its docs: every
     other worker costs ``worst`` unless a shared group of the tile is resident there (a *saver*).
-    A sample inside one block is *private*: its groups are referenced by one tile only, so C_r never
+    A doc inside one block is *private*: its groups are referenced by one tile only, so C_r never
     holds them when that tile is scored and their Eq. 8 term is the static V_g(r). Only *shared*
-    samples (at most the first and last fragment of a block) need residency tracking.
+    docs (at most the first and last fragment of a block) need residency tracking.
     """
 
     homes: List[int]
@@ -171,10 +171,10 @@ class _Static:
     worst: List[int]  # Eq. 8 of a worker that is not the home and holds nothing: sum_g V_g + V_Q + V_O
     groups: List[List[Tuple[int, List[int]]]]  # candidates grouped by equal cost: ascending cost, then id
     cost: Dict[int, int]  # block * W + candidate -> its Eq. 8 cost, residency aside
-    shared_groups: List[List[int]]  # per block: s * H of its shared samples s (group of head h: + h)
+    shared_groups: List[List[int]]  # per block: s * H of its shared docs s (group of head h: + h)
     home_adds: List[List[Tuple[int, int]]]  # (s * H, V_g(home)) of shared groups the home holds only partly
-    away_adds: List[tuple]  # (s * H, s * W, len_s * kv bytes, V_g(home)) of its shared samples
-    held_bytes: Dict[int, int]  # shared sample * W + worker -> kv bytes the worker holds (absent: 0)
+    away_adds: List[tuple]  # (s * H, s * W, len_s * kv bytes, V_g(home)) of its shared docs
+    held_bytes: Dict[int, int]  # shared doc * W + worker -> kv bytes the worker holds (absent: 0)
     all_shared_groups: List[int]  # every shared group id
 
 
@@ -186,13 +186,13 @@ def _expand_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _block_held_tokens(tiles: TileSet) -> np.ndarray:
-    """float64 [num_blocks * W]: tokens of the block's samples held by each worker (key block*W + w)."""
+    """float64 [num_blocks * W]: tokens of the block's docs held by each worker (key block*W + w)."""
     W, nb = tiles.num_workers, tiles.num_blocks
     frag_block = np.repeat(np.arange(nb, dtype=np.int64), np.diff(tiles.frag_ptr))
-    per_sample = np.diff(tiles.sample_home_ptr)[tiles.frag_sample]
-    entry = _expand_ranges(tiles.sample_home_ptr[tiles.frag_sample], per_sample)
-    keys = np.repeat(frag_block, per_sample) * W + tiles.sample_home_worker[entry]
-    return np.bincount(keys, weights=tiles.sample_home_count[entry], minlength=nb * W)
+    per_doc = np.diff(tiles.doc_home_ptr)[tiles.frag_doc]
+    entry = _expand_ranges(tiles.doc_home_ptr[tiles.frag_doc], per_doc)
+    keys = np.repeat(frag_block, per_doc) * W + tiles.doc_home_worker[entry]
+    return np.bincount(keys, weights=tiles.doc_home_count[entry], minlength=nb * W)
 
 
 def _candidate_rows(tiles: TileSet, qo: np.ndarray, full: np.ndarray):
@@ -222,16 +222,16 @@ def _candidate_groups(tiles: TileSet, key: np.ndarray, cost: np.ndarray):
 
 
 def _shared_ends(tiles: TileSet, is_shared: np.ndarray, holdings):
-    """Per block, for its shared samples s (first and/or last fragment): the group bases s*H; the
+    """Per block, for its shared docs s (first and/or last fragment): the group bases s*H; the
     (s*H, V_g(home)) of those its home holds only partly; and (s*H, s*W, len_s * kv bytes) of all."""
     W, H, kvb = tiles.num_workers, tiles.head_split, tiles.heads.kv_bytes_per_token()
-    first = tiles.frag_sample[tiles.frag_ptr[:-1]]
-    last = tiles.frag_sample[tiles.frag_ptr[1:] - 1]
+    first = tiles.frag_doc[tiles.frag_ptr[:-1]]
+    last = tiles.frag_doc[tiles.frag_ptr[1:] - 1]
     use_last = is_shared[last] & (last != first)
     columns = []
     for s in (first, last):
-        home_missing = (tiles.sample_len[s] - _lookup(*holdings, s * W + tiles.block_home)) * kvb
-        columns += [(s * H).tolist(), (s * W).tolist(), (tiles.sample_len[s] * kvb).tolist(), home_missing.tolist()]
+        home_missing = (tiles.doc_len[s] - _lookup(*holdings, s * W + tiles.block_home)) * kvb
+        columns += [(s * H).tolist(), (s * W).tolist(), (tiles.doc_len[s] * kvb).tolist(), home_missing.tolist()]
     shared_groups, home_adds, away_adds = [], [], []
     for ua, ue, ga, ka, fa, ma, ge, ke, fe, me in zip(is_shared[first].tolist(), use_last.tolist(), *columns):
         ends = ((ga, ka, fa, ma), (ge, ke, fe, me)) if ua and ue else ((ga, ka, fa, ma),) if ua else (
@@ -244,10 +244,10 @@ def _shared_ends(tiles: TileSet, is_shared: np.ndarray, holdings):
 
 def _static_data(tiles: TileSet) -> _Static:
     kvb, W, H = tiles.heads.kv_bytes_per_token(), tiles.num_workers, tiles.head_split
-    full = np.add.reduceat(tiles.sample_len[tiles.frag_sample], tiles.frag_ptr[:-1]) * kvb
+    full = np.add.reduceat(tiles.doc_len[tiles.frag_doc], tiles.frag_ptr[:-1]) * kvb
     qo = 2 * (tiles.block_end - tiles.block_start) * tiles.heads.q_bytes_per_token()
-    is_shared = np.bincount(tiles.frag_sample, minlength=tiles.num_samples) > 1
-    holdings = _sample_holdings(tiles)
+    is_shared = np.bincount(tiles.frag_doc, minlength=tiles.num_docs) > 1
+    holdings = _doc_holdings(tiles)
     keep = is_shared[holdings[0] // W]
     shared_groups, home_adds, away_adds = _shared_ends(tiles, is_shared, holdings)
     key, cost = _candidate_rows(tiles, qo, full)

@@ -59,7 +59,7 @@ def plan_pool(
     validate: bool = True,
     tile_cost_model=None,
 ) -> PoolPlan:
-    """Plan one pool: ``seq_segments[p]`` are the raw-sample lengths of its p-th packed sequence.
+    """Plan one pool: ``seq_segments[p]`` are the document lengths of its p-th packed sequence.
 
     Deterministic: the same inputs give the same fingerprint on every rank. ``validate`` runs
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).

@@ -6,8 +6,8 @@ the holder of its tokens changes (a CP chunk boundary), so every block -- and ev
 one Q-home. When L/num_chunks is a multiple of B (the recommended setting) this adds no cut.
 
 Tile id ``t = block*H + h`` pairs block ``t // H`` with head shard ``h = t % H``.
-KV group id ``g = sample*H + h`` is the complete K/V of raw sample ``sample`` on head shard ``h``.
-Samples are numbered pool-wide in (sequence, position) order.
+KV group id ``g = doc*H + h`` is the complete K/V of document ``doc`` on head shard ``h``.
+Documents are numbered pool-wide in (sequence, position) order.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ __all__ = ["TileSet", "build_tiles", "causal_pairs"]
 
 
 def causal_pairs(a: np.ndarray, e: np.ndarray) -> np.ndarray:
-    """Eq. 6 inner sum: sum_{q=a}^{e-1} (q+1) causal query-key pairs for sample-local rows [a, e)."""
+    """Eq. 6 inner sum: sum_{q=a}^{e-1} (q+1) causal query-key pairs for doc-local rows [a, e)."""
     a = np.asarray(a, dtype=np.int64)
     e = np.asarray(e, dtype=np.int64)
     return e * (e + 1) // 2 - a * (a + 1) // 2
@@ -33,26 +33,26 @@ def causal_pairs(a: np.ndarray, e: np.ndarray) -> np.ndarray:
 class TileSet:
     """All SH-Tiles of one pool as a struct of int64 arrays. Built once by ``build_tiles``.
 
-    samples  (n_samples):  sample_seq, sample_start (global pos in its sequence), sample_len
-    sample_homes (CSR by sample): sample_home_ptr (n_samples+1), sample_home_worker, sample_home_count
-             -- the workers holding the sample's tokens and how many each holds.
+    docs  (n_docs):  doc_seq, doc_start (global pos in its sequence), doc_len
+    doc_homes (CSR by doc): doc_home_ptr (n_docs+1), doc_home_worker, doc_home_count
+             -- the workers holding the doc's tokens and how many each holds.
     blocks   (n_blocks):   block_seq, block_start, block_end (global pos), block_home (worker),
                            block_local_start (offset of block_start in the home's local buffer),
                            block_pairs (causal pairs for one head, Eq. 6)
-    fragments (CSR by block): frag_ptr (n_blocks+1), frag_sample, frag_q_start, frag_q_end
-             -- sample-local query rows [a, e) of each sample the block intersects, in position order.
+    fragments (CSR by block): frag_ptr (n_blocks+1), frag_doc, frag_q_start, frag_q_end
+             -- doc-local query rows [a, e) of each doc the block intersects, in position order.
     """
 
     pool_size: int
     layout: TokenLayout
     heads: HeadLayout
     block_size: int
-    sample_seq: np.ndarray
-    sample_start: np.ndarray
-    sample_len: np.ndarray
-    sample_home_ptr: np.ndarray
-    sample_home_worker: np.ndarray
-    sample_home_count: np.ndarray
+    doc_seq: np.ndarray
+    doc_start: np.ndarray
+    doc_len: np.ndarray
+    doc_home_ptr: np.ndarray
+    doc_home_worker: np.ndarray
+    doc_home_count: np.ndarray
     block_seq: np.ndarray
     block_start: np.ndarray
     block_end: np.ndarray
@@ -60,7 +60,7 @@ class TileSet:
     block_local_start: np.ndarray
     block_pairs: np.ndarray
     frag_ptr: np.ndarray
-    frag_sample: np.ndarray
+    frag_doc: np.ndarray
     frag_q_start: np.ndarray
     frag_q_end: np.ndarray
 
@@ -74,8 +74,8 @@ class TileSet:
         return self.heads.head_split
 
     @property
-    def num_samples(self) -> int:
-        return int(self.sample_len.shape[0])
+    def num_docs(self) -> int:
+        return int(self.doc_len.shape[0])
 
     @property
     def num_blocks(self) -> int:
@@ -87,7 +87,7 @@ class TileSet:
 
     @property
     def num_groups(self) -> int:
-        return self.num_samples * self.head_split
+        return self.num_docs * self.head_split
 
     # ----------------------------------------------------------------- per-tile views
     def tile_block(self) -> np.ndarray:
@@ -110,20 +110,20 @@ class TileSet:
     def tile_groups(self, tile: int) -> np.ndarray:
         """K(t) of Eq. 7: KV group ids the tile references."""
         b, h = divmod(int(tile), self.head_split)
-        samples = self.frag_sample[self.frag_ptr[b] : self.frag_ptr[b + 1]]
-        return samples * self.head_split + h
+        docs = self.frag_doc[self.frag_ptr[b] : self.frag_ptr[b + 1]]
+        return docs * self.head_split + h
 
     def group_remote_bytes(self, group: int, worker: int) -> int:
         """V_g seen from ``worker``: bytes of group g's K/V fragments that ``worker`` does not hold."""
         s = int(group) // self.head_split
-        lo, hi = self.sample_home_ptr[s], self.sample_home_ptr[s + 1]
-        held = self.sample_home_count[lo:hi][self.sample_home_worker[lo:hi] == worker].sum()
-        return int(self.sample_len[s] - held) * self.heads.kv_bytes_per_token()
+        lo, hi = self.doc_home_ptr[s], self.doc_home_ptr[s + 1]
+        held = self.doc_home_count[lo:hi][self.doc_home_worker[lo:hi] == worker].sum()
+        return int(self.doc_len[s] - held) * self.heads.kv_bytes_per_token()
 
     def sequence_flops(self) -> np.ndarray:
         """Eq. 2 per packed sequence in this pool: sum_j l_j^2 (float64, P)."""
-        sq = self.sample_len.astype(np.float64) ** 2
-        return np.bincount(self.sample_seq, weights=sq, minlength=self.pool_size)
+        sq = self.doc_len.astype(np.float64) ** 2
+        return np.bincount(self.doc_seq, weights=sq, minlength=self.pool_size)
 
 
 def _fragments(cuts_a: np.ndarray, cuts_b: np.ndarray):
@@ -157,7 +157,7 @@ def build_tiles(
 ) -> TileSet:
     """Cut the pool's P packed sequences into SH-Tiles (Eq. 5) and record their KV groups (Eq. 7).
 
-    ``seq_segments[p]`` are the raw-sample lengths of the p-th packed sequence (sum == layout.seq_len).
+    ``seq_segments[p]`` are the document lengths of the p-th packed sequence (sum == layout.seq_len).
     """
     if block_size < 1:
         raise PlanError(f"block_size must be >= 1, got {block_size}")
@@ -170,15 +170,15 @@ def build_tiles(
     block_cuts = np.union1d(np.arange(0, L + 1, block_size, dtype=np.int64), chunk_cuts)
     block_cuts = np.union1d(block_cuts, [L])
     acc = {k: [] for k in ("sseq", "sstart", "slen", "hptr", "hwork", "hcnt", "bseq", "bstart", "bend",
-                           "bhome", "bloc", "fcount", "fsample", "fa", "fe")}
-    sample_base = 0
+                           "bhome", "bloc", "fcount", "fdoc", "fa", "fe")}
+    doc_base = 0
     for p, seg in enumerate(segs):
-        sample_cuts = np.concatenate([[0], np.cumsum(seg)])
+        doc_cuts = np.concatenate([[0], np.cumsum(seg)])
         acc["sseq"].append(np.full(seg.size, p, dtype=np.int64))
-        acc["sstart"].append(sample_cuts[:-1])
+        acc["sstart"].append(doc_cuts[:-1])
         acc["slen"].append(seg)
-        # sample homes
-        hs, he, hi_s, hi_c = _fragments(sample_cuts, chunk_cuts)
+        # doc homes
+        hs, he, hi_s, hi_c = _fragments(doc_cuts, chunk_cuts)
         acc["hptr"].append(np.bincount(hi_s, minlength=seg.size))
         acc["hwork"].append(p * cp + chunk_rank[hi_c])
         acc["hcnt"].append(he - hs)
@@ -190,22 +190,22 @@ def build_tiles(
         acc["bend"].append(bend)
         acc["bhome"].append(p * cp + chunk_rank[bchunk])
         acc["bloc"].append(chunk_local[bchunk] + bstart - chunk_cuts[bchunk])
-        # fragments: (block, sample) intersections, in position order
-        fs, fe, fb, fsamp = _fragments(block_cuts, sample_cuts)
+        # fragments: (block, doc) intersections, in position order
+        fs, fe, fb, fdoc = _fragments(block_cuts, doc_cuts)
         acc["fcount"].append(np.bincount(fb, minlength=bstart.size))
-        acc["fsample"].append(fsamp + sample_base)
-        acc["fa"].append(fs - sample_cuts[fsamp])
-        acc["fe"].append(fe - sample_cuts[fsamp])
-        sample_base += seg.size
+        acc["fdoc"].append(fdoc + doc_base)
+        acc["fa"].append(fs - doc_cuts[fdoc])
+        acc["fe"].append(fe - doc_cuts[fdoc])
+        doc_base += seg.size
     cat = {k: np.concatenate(v).astype(np.int64) for k, v in acc.items()}
     frag_ptr = np.concatenate([[0], np.cumsum(cat["fcount"])]).astype(np.int64)
     home_ptr = np.concatenate([[0], np.cumsum(cat["hptr"])]).astype(np.int64)
     pairs = np.add.reduceat(causal_pairs(cat["fa"], cat["fe"]), frag_ptr[:-1]) if frag_ptr[-1] else np.zeros(0, np.int64)
     return TileSet(
         pool_size=pool_size, layout=layout, heads=heads, block_size=block_size,
-        sample_seq=cat["sseq"], sample_start=cat["sstart"], sample_len=cat["slen"],
-        sample_home_ptr=home_ptr, sample_home_worker=cat["hwork"], sample_home_count=cat["hcnt"],
+        doc_seq=cat["sseq"], doc_start=cat["sstart"], doc_len=cat["slen"],
+        doc_home_ptr=home_ptr, doc_home_worker=cat["hwork"], doc_home_count=cat["hcnt"],
         block_seq=cat["bseq"], block_start=cat["bstart"], block_end=cat["bend"],
         block_home=cat["bhome"], block_local_start=cat["bloc"], block_pairs=pairs.astype(np.int64),
-        frag_ptr=frag_ptr, frag_sample=cat["fsample"], frag_q_start=cat["fa"], frag_q_end=cat["fe"],
+        frag_ptr=frag_ptr, frag_doc=cat["fdoc"], frag_q_start=cat["fa"], frag_q_end=cat["fe"],
     )

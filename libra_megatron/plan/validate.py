@@ -7,9 +7,9 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
   Q          every local unit (token, h) of every rank is sent exactly once, to the destination the
              assignment gives its tile; the inverse route returns every output to its home exactly once
   KV         simulated with (sequence, position, h) ids: per destination no unit arrives twice (dedup),
-             every referenced group arrives complete and contiguous in sample order
-  varlen     cu_seqlens_q tiles the arranged Q buffer; entry i's query rows are sample positions
-             [e-q_len, e) of one sample s on one shard h and keys [off, off+len_s) hold group (s, h)
+             every referenced group arrives complete and contiguous in doc order
+  varlen     cu_seqlens_q tiles the arranged Q buffer; entry i's query rows are doc positions
+             [e-q_len, e) of one doc s on one shard h and keys [off, off+len_s) hold group (s, h)
   bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of
              V_g(r) (``tiles.group_remote_bytes``) + sum over migrated tiles of V_Q + V_O; per-rank
              ``bytes_sent`` equals the remote units its routes move
@@ -171,14 +171,14 @@ def _check_kv_dedup(arranged_kv: np.ndarray, w: int) -> None:
 
 
 def _decode(ids: np.ndarray, tiles):
-    """(seq*L + pos)*H + h ids -> (sample, sample-local position, h)."""
+    """(seq*L + pos)*H + h ids -> (doc, doc-local position, h)."""
     H, L = tiles.head_split, tiles.layout.seq_len
     tok, h = np.divmod(ids, H)
     seq, pos = np.divmod(tok, L)
     key = seq * L + pos
-    sample_key = tiles.sample_seq * L + tiles.sample_start
-    sample = np.searchsorted(sample_key, key, side="right") - 1
-    return sample, key - sample_key[sample], h
+    doc_key = tiles.doc_seq * L + tiles.doc_start
+    doc = np.searchsorted(doc_key, key, side="right") - 1
+    return doc, key - doc_key[doc], h
 
 
 def _check_varlen(rp, tiles, q_ids: np.ndarray, kv_ids: np.ndarray) -> None:
@@ -190,31 +190,31 @@ def _check_varlen(rp, tiles, q_ids: np.ndarray, kv_ids: np.ndarray) -> None:
     if (q_len < 1).any() or (rp.seq_k_len < q_len).any():
         raise PlanError(f"rank {w}: varlen entry with q_len < 1 or k_len < q_len")
     entry = np.repeat(np.arange(n), q_len)
-    sample, pos, h = _decode(q_ids, tiles)
+    doc, pos, h = _decode(q_ids, tiles)
     want_pos = (rp.seq_k_len - q_len)[entry] + (np.arange(q_ids.size) - cu[entry])
-    bad = np.flatnonzero((pos != want_pos) | (sample != sample[cu[entry]]) | (h != h[cu[entry]]))
+    bad = np.flatnonzero((pos != want_pos) | (doc != doc[cu[entry]]) | (h != h[cu[entry]]))
     if bad.size:
         i = int(entry[bad[0]])
-        raise PlanError(f"rank {w}: varlen entry {i} query rows are not sample positions [e-q_len, e) of one group")
-    _check_groups(rp, tiles, sample[cu[:-1]], h[cu[:-1]], kv_ids)
+        raise PlanError(f"rank {w}: varlen entry {i} query rows are not doc positions [e-q_len, e) of one group")
+    _check_groups(rp, tiles, doc[cu[:-1]], h[cu[:-1]], kv_ids)
 
 
-def _check_groups(rp, tiles, ent_sample, ent_h, kv_ids) -> None:
-    """Keys [off, off+len_s) of every entry hold the complete group (s, h) in sample order."""
+def _check_groups(rp, tiles, ent_doc, ent_h, kv_ids) -> None:
+    """Keys [off, off+len_s) of every entry hold the complete group (s, h) in doc order."""
     w, H, L = rp.rank, tiles.head_split, tiles.layout.seq_len
     off, idx = np.unique(rp.seq_kv_offset, return_index=True)
-    s, h = ent_sample[idx], ent_h[idx]
-    length = tiles.sample_len[s]
+    s, h = ent_doc[idx], ent_h[idx]
+    length = tiles.doc_len[s]
     if length.sum() != kv_ids.size:
         raise PlanError(f"rank {w}: arranged KV holds {kv_ids.size} units, referenced groups need {int(length.sum())}")
     for o, si, hi, ln in zip(off, s, h, length):
-        want = ((tiles.sample_seq[si] * L + tiles.sample_start[si] + np.arange(ln)) * H + hi)
+        want = ((tiles.doc_seq[si] * L + tiles.doc_start[si] + np.arange(ln)) * H + hi)
         got = kv_ids[o : o + ln]
         if got.shape != want.shape or (got != want).any():
-            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold group (sample {si}, h {hi}) in order")
+            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold group (doc {si}, h {hi}) in order")
     for i in range(rp.num_seqs):
         j = int(np.searchsorted(off, rp.seq_kv_offset[i]))
-        if (s[j], h[j]) != (ent_sample[i], ent_h[i]):
+        if (s[j], h[j]) != (ent_doc[i], ent_h[i]):
             raise PlanError(f"rank {w}: varlen entry {i} points at the KV of another group")
 
 

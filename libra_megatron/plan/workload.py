@@ -24,14 +24,14 @@ __all__ = [
 def sequence_flops(seq_segments: Sequence[Sequence[int]]) -> np.ndarray:
     """Eq. 2 / Eq. 4: ``F_i = sum_j l_ij^2`` for every packed sequence i. float64 (n,).
 
-    ``seq_segments[i]`` are the raw-sample lengths (tokens, > 0) packed into sequence i.
+    ``seq_segments[i]`` are the document lengths (tokens, > 0) packed into sequence i.
     Integer-valued float64 is exact up to 2**53 (far above (1M tokens)^2 * 1024 sequences).
     """
     out = np.empty(len(seq_segments), dtype=np.float64)
     for i, seg in enumerate(seq_segments):
         lengths = np.asarray(seg, dtype=np.float64).reshape(-1)
         if (lengths <= 0).any():
-            raise ValueError(f"sequence {i}: sample lengths must be positive, got min {lengths.min()}")
+            raise ValueError(f"sequence {i}: document lengths must be positive, got min {lengths.min()}")
         out[i] = float(np.dot(lengths, lengths))
     return out
 

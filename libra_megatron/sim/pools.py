@@ -7,7 +7,7 @@ Per-worker traffic (bytes per layer forward) mirrors what the exchange plan move
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
     KV  holder -> r for every distinct (KV group, destination r) pair and every fragment of the
-        group's sample held by a worker other than r (deduplicated per group and destination, §4.3.3)
+        group's doc held by a worker other than r (deduplicated per group and destination, §4.3.3)
 The totals equal ``ExchangePlan.bytes_q/kv/o`` (checked in tests/sim).
 """
 
@@ -50,16 +50,16 @@ def traffic_edges(tiles: TileSet, assignment: np.ndarray) -> TrafficEdges:
     H, W = tiles.head_split, tiles.num_workers
     frag_block = np.repeat(np.arange(tiles.num_blocks, dtype=np.int64), np.diff(tiles.frag_ptr))
     dest = assignment[(frag_block[:, None] * H + np.arange(H)[None, :]).reshape(-1)]
-    group = (tiles.frag_sample[:, None] * H + np.arange(H)[None, :]).reshape(-1)
+    group = (tiles.frag_doc[:, None] * H + np.arange(H)[None, :]).reshape(-1)
     pairs = np.unique(group * W + dest)
-    sample, r = (pairs // W) // H, pairs % W
-    per_sample = np.diff(tiles.sample_home_ptr)[sample]
-    first = np.repeat(tiles.sample_home_ptr[sample], per_sample)
-    entry = first + np.arange(int(per_sample.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_sample) - per_sample, per_sample)
-    kv_dst = np.repeat(r, per_sample)
-    kv_src = tiles.sample_home_worker[entry]
+    doc, r = (pairs // W) // H, pairs % W
+    per_doc = np.diff(tiles.doc_home_ptr)[doc]
+    first = np.repeat(tiles.doc_home_ptr[doc], per_doc)
+    entry = first + np.arange(int(per_doc.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+    kv_dst = np.repeat(r, per_doc)
+    kv_src = tiles.doc_home_worker[entry]
     remote = kv_src != kv_dst
-    kvb = tiles.sample_home_count[entry][remote] * tiles.heads.kv_bytes_per_token()
+    kvb = tiles.doc_home_count[entry][remote] * tiles.heads.kv_bytes_per_token()
     return TrafficEdges(
         src=np.concatenate([home[moved], kv_src[remote], assignment[moved]]),
         dst=np.concatenate([assignment[moved], kv_dst[remote], home[moved]]),

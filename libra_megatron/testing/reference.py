@@ -1,7 +1,7 @@
 """Independent single-process references for the runtime tests (fp64 by default).
 
 Shape legend: L = tokens of one packed sequence, hq/hkv = query/kv heads, d = head dim.
-    q (L, hq, d)   k, v (L, hkv, d)   segments = raw-sample lengths, sum == L
+    q (L, hq, d)   k, v (L, hkv, d)   segments = document lengths, sum == L
 
 ``reference_attention`` builds a dense block-diagonal causal mask over the whole packed sequence and runs
 plain softmax attention -- deliberately nothing like the varlen kernels or the exchange plan, so it can
@@ -19,15 +19,15 @@ __all__ = ["block_causal_mask", "reference_attention", "reference_forward_backwa
 
 
 def block_causal_mask(segments: Sequence[int], device=None) -> torch.Tensor:
-    """bool (L, L): True where query i may attend key j (same sample and j <= i)."""
+    """bool (L, L): True where query i may attend key j (same document and j <= i)."""
     seg = torch.as_tensor(np.asarray(segments, dtype=np.int64), device=device)
-    sample = torch.repeat_interleave(torch.arange(seg.numel(), device=device), seg)
-    pos = torch.arange(sample.numel(), device=device)
-    return (sample[:, None] == sample[None, :]) & (pos[None, :] <= pos[:, None])
+    doc = torch.repeat_interleave(torch.arange(seg.numel(), device=device), seg)
+    pos = torch.arange(doc.numel(), device=device)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
 
 def reference_attention(q, k, v, segments: Sequence[int], softmax_scale: Optional[float] = None):
-    """Per-sample causal attention over one packed sequence. Differentiable; (L, hq, d) out."""
+    """Per-document causal attention over one packed sequence. Differentiable; (L, hq, d) out."""
     group = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     ke = k.repeat_interleave(group, dim=1)

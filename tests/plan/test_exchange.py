@@ -55,12 +55,12 @@ def trace_segments(P, L, rng, scale=400):
 
 # ------------------------------------------------------------------ independent references
 def reference_attention(q, k, v, segs, scale):
-    """Dense per-sample causal attention over one packed sequence, float64. q (L,hq,d), k/v (L,hkv,d)."""
+    """Dense per-doc causal attention over one packed sequence, float64. q (L,hq,d), k/v (L,hkv,d)."""
     L, hq, _ = q.shape
     group = hq // k.shape[1]
     pos = np.arange(L)
-    sample = np.repeat(np.arange(len(segs)), segs)
-    mask = (sample[:, None] == sample[None, :]) & (pos[None, :] <= pos[:, None])
+    doc = np.repeat(np.arange(len(segs)), segs)
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     out = np.zeros_like(q)
     for i in range(hq):
         s = np.where(mask, q[:, i] @ k[:, i // group].T * scale, -np.inf)
@@ -76,7 +76,7 @@ def token_ids(layout, P, H):
 
 
 def brute_force_expectation(segs, layout, tiles, assign):
-    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, sample start, len, h)}."""
+    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, doc start, len, h)}."""
     H, L, W = tiles.head_split, layout.seq_len, tiles.num_workers
     want_q = [set() for _ in range(W)]
     want_groups = [set() for _ in range(W)]
@@ -107,7 +107,7 @@ def test_numbered_units_reach_their_destination_and_outputs_return_home_once(poo
         where = {int(x): i for i, x in enumerate(arr_kv[d])}
         for p, s0, n, h in want_groups[d]:
             rows = [where[(p * L + s0 + j) * H + h] for j in range(n)]
-            assert rows == list(range(rows[0], rows[0] + n))  # complete, contiguous, sample order
+            assert rows == list(range(rows[0], rows[0] + n))  # complete, contiguous, doc order
     back = return_outputs_numpy(plan, [a + 1 for a in arr_q])  # +1: a missing return would read 0
     for w in range(tiles.num_workers):
         np.testing.assert_array_equal(back[w], ids[w] + 1)
@@ -211,11 +211,11 @@ def test_plan_bytes_equal_eq8_accounting_from_the_assignment(pool):
 
 
 def test_adjacent_tiles_of_one_sample_merge_into_one_varlen_entry():
-    """Home placement, CP=1: each worker's blocks of one long sample become one entry per head shard."""
+    """Home placement, CP=1: each worker's blocks of one long doc become one entry per head shard."""
     layout, heads = TokenLayout("contiguous", 40, 1), HeadLayout(4, 4, 4, 2, 1)
     tiles = build_tiles([[3, 30, 7]], layout, heads, 4)
     rp = build_exchange_plan(tiles, tiles.tile_home()).ranks[0]
-    # per shard: samples 0,1,2 -> 3 entries (the 30-token sample spans 9 blocks), 2 shards -> 6
+    # per shard: docs 0,1,2 -> 3 entries (the 30-token doc spans 9 blocks), 2 shards -> 6
     assert rp.num_seqs == 6
     assert rp.seq_k_len.tolist() == [3, 30, 7, 3, 30, 7]
     assert np.diff(rp.cu_seqlens_q).tolist() == [3, 30, 7, 3, 30, 7]

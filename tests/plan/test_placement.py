@@ -64,7 +64,7 @@ def random_segments(rng, num_seqs, seq_len):
     for _ in range(num_seqs):
         cuts = np.sort(rng.choice(np.arange(1, seq_len), size=min(seq_len - 1, rng.integers(0, 24)), replace=False))
         seg = np.diff(np.concatenate([[0], cuts, [seq_len]]))
-        if rng.random() < 0.3:  # one long outlier sample
+        if rng.random() < 0.3:  # one long outlier doc
             seg = np.array([seq_len])
         out.append(seg)
     return out
@@ -118,7 +118,7 @@ def test_refined_never_worse_than_alg2_and_home_has_no_q_traffic(case):
 
 
 def _two_sequence_pool():
-    # P=2, CP=1, L=8, B=4: seq 0 = one sample of 8 (blocks f=10, 26), seq 1 = eight samples of 1 (f=4, 4)
+    # P=2, CP=1, L=8, B=4: seq 0 = one doc of 8 (blocks f=10, 26), seq 1 = eight docs of 1 (f=4, 4)
     layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 8, 1)
     heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
     return build_tiles([[8], [1] * 8], layout, heads, 4)
@@ -129,7 +129,7 @@ def test_alg2_hand_computed_case_with_fallback_and_kv_reuse():
     np.testing.assert_array_equal(tiles.tile_flops(), [10, 26, 4, 4])
     # C = 1.0 * 44 / 2 = 22. Order: t1 (26), t0 (10), t2 (4), t3 (4; tie -> lower id first).
     # t1: nobody fits (26 > 22) -> fallback argmin (L, dcomm, r): L ties at 0, dcomm(home 0)=0 -> worker 0.
-    # t0: feasible {1}: worker 0 has 26. Goes to 1: KV of sample 0 (8 tokens * 2 bytes) + Q/O 2*4*1.
+    # t0: feasible {1}: worker 0 has 26. Goes to 1: KV of doc 0 (8 tokens * 2 bytes) + Q/O 2*4*1.
     # t2, t3: feasible {1}; stay... worker 1 is their home with dcomm 0.
     res = place_tiles(tiles, tau=0.0, method=TilePlacement.ALG2)
     np.testing.assert_array_equal(res.assignment, [1, 0, 1, 1])
@@ -139,7 +139,7 @@ def test_alg2_hand_computed_case_with_fallback_and_kv_reuse():
 
 
 def test_alg2_prefers_resident_kv_group_over_lower_load():
-    # One sample of 12 tokens, CP=1, P=2, B=4: tiles f = 10, 26, 42 (ids 0,1,2), home 0; worker 1 empty.
+    # One doc of 12 tokens, CP=1, P=2, B=4: tiles f = 10, 26, 42 (ids 0,1,2), home 0; worker 1 empty.
     # tau large => everything feasible; dcomm picks the home (0 bytes) every time.
     layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 12, 1)
     heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
@@ -172,7 +172,7 @@ def test_alg2_load_ordered_scan_path_equals_direct_reference(case):
 
 @pytest.mark.parametrize("head_split,tau", [(1, 0.0), (4, 0.03)])
 def test_alg2_equals_reference_on_a_32_worker_pool_with_long_samples(head_split, tau):
-    # synthetic: P=4, CP=8 zigzag, L=512, B=16; each sequence mixes one long sample with short ones
+    # synthetic: P=4, CP=8 zigzag, L=512, B=16; each sequence mixes one long doc with short ones
     rng = np.random.default_rng(7)
     segs = []
     for _ in range(4):

@@ -25,7 +25,7 @@ def pools(draw):
     return build_tiles(segs, TokenLayout(kind, seq_len, cp), heads, block), segs
 
 
-def dense_sample_ids(seg):
+def dense_doc_ids(seg):
     return np.repeat(np.arange(len(seg)), seg)
 
 
@@ -36,7 +36,7 @@ def test_eq6_tile_flops_equal_pair_count_of_dense_causal_block_diagonal_mask(cas
     L, H, hq = tiles.layout.seq_len, tiles.head_split, tiles.heads.num_q_heads
     masks = []
     for seg in segs:
-        sid = dense_sample_ids(seg)
+        sid = dense_doc_ids(seg)
         masks.append((sid[:, None] == sid[None, :]) & np.tri(L, dtype=bool))
     expected = []
     for b in range(tiles.num_blocks):
@@ -75,21 +75,21 @@ def test_fragments_groups_and_remote_bytes_match_samples(case):
     base = np.concatenate([[0], np.cumsum([len(s) for s in segs])])
     for b in range(tiles.num_blocks):
         p, a, e = tiles.block_seq[b], tiles.block_start[b], tiles.block_end[b]
-        sid = dense_sample_ids(segs[p])
+        sid = dense_doc_ids(segs[p])
         starts = np.concatenate([[0], np.cumsum(segs[p])])
         lo, hi = tiles.frag_ptr[b], tiles.frag_ptr[b + 1]
         want = sorted(set(sid[a:e].tolist()))
-        assert (tiles.frag_sample[lo:hi] - base[p]).tolist() == want
+        assert (tiles.frag_doc[lo:hi] - base[p]).tolist() == want
         for f, j in zip(range(lo, hi), want):
             assert tiles.frag_q_start[f] == max(a, starts[j]) - starts[j]
             assert tiles.frag_q_end[f] == min(e, starts[j + 1]) - starts[j]
         for h in range(H):
             assert tiles.tile_groups(b * H + h).tolist() == [(base[p] + j) * H + h for j in want]
     kvb = tiles.heads.kv_bytes_per_token()
-    for s in range(tiles.num_samples):
-        p = tiles.sample_seq[s]
-        a = tiles.sample_start[s]
-        holders = rank[a : a + tiles.sample_len[s]] + p * layout.cp
+    for s in range(tiles.num_docs):
+        p = tiles.doc_seq[s]
+        a = tiles.doc_start[s]
+        holders = rank[a : a + tiles.doc_len[s]] + p * layout.cp
         for r in range(W):
             for h in range(H):
                 expected = int((holders != r).sum()) * kvb
