@@ -17,6 +17,8 @@ __all__ = [
     "PackingMode",
     "KernelBackendName",
     "TokenLayoutKind",
+    "TilingPolicy",
+    "KvFetch",
     "flag_name",
 ]
 
@@ -57,6 +59,20 @@ class TokenLayoutKind(str, enum.Enum):
 
     CONTIGUOUS = "contiguous"  # rank c holds [c*L/CP, (c+1)*L/CP)
     ZIGZAG = "zigzag"  # Megatron's 2*CP chunks: rank c holds chunks c and 2*CP-1-c
+
+
+class TilingPolicy(str, enum.Enum):
+    """How sequences are cut into SH-Tile blocks (§4.3.1)."""
+
+    UNIFORM = "uniform"  # the paper: blocks of B tokens (also cut at CP chunk boundaries)
+    ADAPTIVE = "adaptive"  # uniform, then blocks heavier than half of Alg. 2's C are halved (at most 3 times)
+
+
+class KvFetch(str, enum.Enum):
+    """Which K/V rows a destination fetches for the documents its tiles read (§4.3.3)."""
+
+    GROUP = "group"  # the paper: every referenced KV group complete
+    PREFIX = "prefix"  # only the causal prefix [doc start, last query row of its hosted tiles)
 
 
 _FLAGS = {
@@ -106,6 +122,10 @@ class LibraConfig:
     """Attention kernel of the runtime operator: auto | flash | torch."""
     token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
     """CP token layout of each packed sequence: contiguous | zigzag (Megatron's 2*CP split)."""
+    tiling: TilingPolicy = TilingPolicy.ADAPTIVE
+    """SH-Tile blocks: uniform (the paper) | adaptive (blocks above C/2 of Alg. 2 are halved, >= B/8 tokens)."""
+    kv_fetch: KvFetch = KvFetch.PREFIX
+    """K/V a destination fetches per document: group (the paper, whole) | prefix (causal prefix only)."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -238,6 +258,8 @@ _ENUM_FIELDS = {
     "packing": PackingMode,
     "kernel_backend": KernelBackendName,
     "token_layout": TokenLayoutKind,
+    "tiling": TilingPolicy,
+    "kv_fetch": KvFetch,
 }
 
 

@@ -16,9 +16,14 @@ def test_paper_defaults():
     assert cfg.tau == 0.03 and cfg.num_chunks == 4
 
 
+def test_beyond_the_paper_defaults_are_adaptive_tiles_and_prefix_fetch():
+    cfg = LibraConfig()
+    assert (cfg.tiling.value, cfg.kv_fetch.value) == ("adaptive", "prefix")
+
+
 def test_yaml_round_trip(tmp_path):
     cfg = LibraConfig(pool_size=8, head_split=2, block_size=8192, num_chunks=2, tau=0.05,
-                      sequence_placement="alg1", token_layout="contiguous")
+                      sequence_placement="alg1", token_layout="contiguous", tiling="uniform", kv_fetch="group")
     path = tmp_path / "libra.yaml"
     cfg.to_yaml(str(path))
     back = LibraConfig.from_yaml(str(path))
@@ -40,6 +45,8 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
         (dict(pool_size=0), r"--libra-pool-size \(pool_size\) must be a positive integer"),
         (dict(tau=-0.1), r"--libra-tau \(tau\) must be a number >= 0"),
         (dict(sequence_placement="lpt"), r"--libra-sequence-placement .* must be one of"),
+        (dict(tiling="dyadic"), r"--libra-tiling \(tiling\) must be one of \{uniform, adaptive\}"),
+        (dict(kv_fetch="all"), r"--libra-kv-fetch \(kv_fetch\) must be one of \{group, prefix\}"),
     ],
 )
 def test_standalone_errors(kwargs, pattern):

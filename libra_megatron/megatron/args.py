@@ -22,6 +22,8 @@ from ..config import (
     SequencePlacement,
     TilePlacement,
     TokenLayoutKind,
+    TilingPolicy,
+    KvFetch,
     flag_name,
 )
 
@@ -35,6 +37,7 @@ _FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
     "pool_size": int, "head_split": int, "block_size": int, "num_chunks": int, "tau": float,
     "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
     "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
+    "tiling": TilingPolicy, "kv_fetch": KvFetch,
 }
 _HELP = {
     "pool_size": "P: DP replicas per sequence pool (P | DP); a pool has P*CP workers.",
@@ -47,6 +50,8 @@ _HELP = {
     "packing": "Packing of the simulator / synthetic corpora (GPTDataset training packs megatron-style).",
     "kernel_backend": "Attention kernel of the Libra operator.",
     "token_layout": "CP token layout of each packed sequence.",
+    "tiling": "SH-Tile blocks: uniform (paper) or adaptive (heavy blocks halved).",
+    "kv_fetch": "K/V fetched per document: group (paper, whole) or prefix (causal prefix only).",
 }
 _ABLATIONS = {  # switch -> (config key, value it forces)
     "libra_disable_vrsp": ("sequence_placement", SequencePlacement.CONTIGUOUS),

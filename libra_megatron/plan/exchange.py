@@ -31,6 +31,7 @@ from typing import Iterator, Sequence, Tuple
 import numpy as np
 
 from .errors import PlanError
+from .kv_refs import home_runs_in_prefix
 from .layout import HeadLayout
 
 __all__ = ["Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
@@ -227,7 +228,7 @@ def _fragment_entries(tiles, order: np.ndarray):
     """Expand hosted tiles into (tile, doc fragment) entries, in hosted order.
 
     Returns int64 arrays: entry_tile (index into ``order``), head, doc, a, e (doc-local query rows
-    [a, e)), row_in_block (first query row of the fragment inside its tile).
+    [a, e)), row_in_block (first query row of the fragment inside its tile), kv_end (key rows it needs).
     """
     H = tiles.head_split
     block = order // H
@@ -239,25 +240,25 @@ def _fragment_entries(tiles, order: np.ndarray):
     row_in_block = tiles.doc_start[doc] + a - tiles.block_start[block[entry_tile]]
     return dict(
         entry_tile=entry_tile, head=order[entry_tile] % H, doc=doc, a=a, e=e, row_in_block=row_in_block,
+        kv_end=tiles.frag_kv_end[frag],
     )
 
 
-def _home_runs(tiles):
-    """Per doc-home fragment: local token start at its worker and offset inside the doc."""
+def _home_local_starts(tiles) -> np.ndarray:
+    """Per doc-home run: the local token index of its first row at its worker."""
     layout = tiles.layout
     bounds = layout.boundaries()
     chunk_local = np.array([c.local_start for c in layout.cp_chunks()], dtype=np.int64)
-    ptr, count = tiles.doc_home_ptr, tiles.doc_home_count
-    owner = np.repeat(np.arange(tiles.num_docs, dtype=np.int64), np.diff(ptr))
-    offset = _segment_starts(owner, count, tiles.num_docs)
-    gstart = tiles.doc_start[owner] + offset
+    owner = np.repeat(np.arange(tiles.num_docs, dtype=np.int64), np.diff(tiles.doc_home_ptr))
+    gstart = tiles.doc_start[owner] + tiles.doc_home_offset
     chunk = np.searchsorted(bounds, gstart, side="right") - 1
-    return offset, chunk_local[chunk] + gstart - bounds[chunk]
+    return chunk_local[chunk] + gstart - bounds[chunk]
 
 
 def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.ndarray):
-    """KV runs (deduplicated per (group, destination)), KV target lengths per destination, merged varlen
-    entries, and the referenced pairs as int64 [4, n_pairs] rows (dst, h, doc, arranged KV offset)."""
+    """KV runs (deduplicated per (group, destination), rows [0, largest kv_end of the destination's tiles)),
+    KV target lengths per destination, merged varlen entries, and the referenced pairs as int64
+    [5, n_pairs] rows (dst, h, doc, arranged KV offset, prefix length)."""
     H, W, S = tiles.head_split, tiles.num_workers, tiles.num_docs
     ent = _fragment_entries(tiles, order)
     it = ent["entry_tile"]
@@ -267,13 +268,13 @@ def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.n
     new_pair = np.ones(key.size, dtype=bool)
     new_pair[1:] = key[1:] != key[:-1]
     pair_dst, pair_head, pair_doc = dst[new_pair], head[new_pair], doc[new_pair]
-    pair_len = tiles.doc_len[pair_doc]
+    pair_len = np.maximum.reduceat(ent["kv_end"], np.flatnonzero(new_pair)) if key.size else key
     pair_off = _segment_starts(pair_dst, pair_len, W)
     entry_pair = np.cumsum(new_pair) - 1
     varlen = _merge_entries(dst, key, ent["a"], ent["e"], q_tgt[it] + ent["row_in_block"], pair_off[entry_pair], W)
-    kv = _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off)
+    kv = _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off, pair_len)
     kv_len = np.bincount(pair_dst, weights=pair_len, minlength=W).astype(np.int64)
-    pairs = np.stack([pair_dst, pair_head, pair_doc, pair_off])
+    pairs = np.stack([pair_dst, pair_head, pair_doc, pair_off, pair_len])
     return kv, kv_len, varlen, pairs
 
 
@@ -289,17 +290,14 @@ def _merge_entries(dst, key, a, e, q_start, kv_off, num_workers: int) -> _Varlen
     return _Varlen(dst_ptr=dst_ptr, q_start=q_start[idx], q_len=q_len, kv_offset=kv_off[idx], k_len=e[last])
 
 
-def _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off) -> _UnitRuns:
-    """Expand every referenced (group, destination) pair into the doc's home fragments."""
+def _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off, pair_len) -> _UnitRuns:
+    """Expand every referenced (group, destination) pair into the doc's home runs clipped to its prefix."""
     H = tiles.head_split
-    offset, local_start = _home_runs(tiles)
-    ptr = tiles.doc_home_ptr
-    nh = ptr[pair_doc + 1] - ptr[pair_doc]
-    home = _expand(ptr[pair_doc], nh, 1)
-    pair = np.repeat(np.arange(pair_doc.size, dtype=np.int64), nh)
+    pair, home, count = home_runs_in_prefix(tiles, pair_doc, pair_len)
     return _UnitRuns(
-        src=tiles.doc_home_worker[home], dst=pair_dst[pair], src_start=local_start[home] * H + pair_head[pair],
-        count=tiles.doc_home_count[home], tgt_start=pair_off[pair] + offset[home],
+        src=tiles.doc_home_worker[home], dst=pair_dst[pair],
+        src_start=_home_local_starts(tiles)[home] * H + pair_head[pair],
+        count=count, tgt_start=pair_off[pair] + tiles.doc_home_offset[home],
     )
 
 
@@ -439,7 +437,7 @@ def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray,
     lay, hd = tiles.layout, tiles.heads
     meta = [lay.seq_len, lay.cp, tiles.pool_size, hd.num_q_heads, hd.num_kv_heads, hd.head_dim,
             hd.head_split, hd.num_chunks, hd.elem_bytes, tiles.block_size]
-    h.update(lay.kind.value.encode())
+    h.update(f"{lay.kind.value}/{tiles.tiling.value}/{tiles.kv_fetch.value}".encode())
     h.update(np.asarray(meta, dtype=np.int64).tobytes())
     for arr in (tiles.doc_seq, tiles.doc_len, assignment, *q.arrays(), pairs, varlen.dst_ptr,
                 varlen.q_start, varlen.q_len, varlen.kv_offset, varlen.k_len):
@@ -468,8 +466,10 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
 
     Per destination, hosted tiles are ordered by (h, sequence, block start); the arranged Q buffer is
     their query units in that order. Every referenced KV group g=(doc, h) (Eq. 7) is fetched once per
-    destination, complete, in doc-position order, groups ordered by (h, doc). Varlen entries are
-    (tile, doc fragment) pairs, consecutive entries of one group with continuing rows merged.
+    destination, rows [0, p) in doc-position order with p the largest ``tiles.frag_kv_end`` of its tiles
+    there (the whole doc under KvFetch.GROUP, the causal prefix under PREFIX), groups ordered by (h, doc).
+    Varlen entries are (tile, doc fragment) pairs, consecutive entries of one group with continuing rows
+    merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
     Cost: O(tiles + fragments + referenced groups * homes) here; O(local units) per RankPlan on access.
     """

@@ -1,6 +1,7 @@
 """One call from packed-sequence segments to a validated exchange plan for one sequence pool (§4.3-§4.4).
 
-    build_tiles (Eq. 5-7) -> place_tiles (Algorithm 2, Eq. 8) -> build_exchange_plan -> validate_plan
+    build_tiles (Eq. 5-7; config.tiling, config.kv_fetch) -> place_tiles (Algorithm 2, Eq. 8)
+    -> build_exchange_plan -> validate_plan
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def plan_pool(
 
     start = time.perf_counter()
     _check_consistent(seq_segments, config, layout, heads)
-    tiles = build_tiles(seq_segments, layout, heads, config.block_size)
+    tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
+                        kv_fetch=config.kv_fetch)
     tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
     placement = place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost)
     exchange = build_exchange_plan(tiles, placement.assignment)

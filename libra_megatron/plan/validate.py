@@ -7,11 +7,14 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
   Q          every local unit (token, h) of every rank is sent exactly once, to the destination the
              assignment gives its tile; the inverse route returns every output to its home exactly once
   KV         simulated with (sequence, position, h) ids: per destination no unit arrives twice (dedup),
-             every referenced group arrives complete and contiguous in doc order
+             every referenced group arrives as its rows [0, p) contiguous in doc order, p = the longest
+             key prefix of the tiles reading it there (every tile's prefix is present; the whole doc
+             under KvFetch.GROUP), and nothing else arrives
   varlen     cu_seqlens_q tiles the arranged Q buffer; entry i's query rows are doc positions
-             [e-q_len, e) of one doc s on one shard h and keys [off, off+len_s) hold group (s, h)
-  bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of
-             V_g(r) (``tiles.group_remote_bytes``) + sum over migrated tiles of V_Q + V_O; per-rank
+             [e-q_len, e) of one doc s on one shard h and keys [off, off+e) hold rows [0, e) of group (s, h)
+  bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of the rows of
+             r's prefix of g it does not hold (``tiles.group_remote_bytes``) + sum over migrated tiles of
+             V_Q + V_O; per-rank
              ``bytes_sent`` equals the remote units its routes move
 Cost: O(total units of all ranks) -- meant for tests and debug runs, not for every step at scale.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import KvFetch
 from .errors import PlanError
 from .exchange import ExchangePlan, Route
 
@@ -200,18 +204,30 @@ def _check_varlen(rp, tiles, q_ids: np.ndarray, kv_ids: np.ndarray) -> None:
 
 
 def _check_groups(rp, tiles, ent_doc, ent_h, kv_ids) -> None:
-    """Keys [off, off+len_s) of every entry hold the complete group (s, h) in doc order."""
+    """The arranged KV is one run per referenced group (s, h), at its entries' offset, holding its rows
+    [0, p) in doc order: p >= the longest key prefix of its entries (every tile's prefix is present),
+    p == that prefix under KvFetch.PREFIX and p == the doc length under GROUP (nothing else is fetched)."""
     w, H, L = rp.rank, tiles.head_split, tiles.layout.seq_len
-    off, idx = np.unique(rp.seq_kv_offset, return_index=True)
+    off, idx, inverse = np.unique(rp.seq_kv_offset, return_index=True, return_inverse=True)
+    if not off.size or off[0] != 0:
+        if kv_ids.size or off.size:
+            raise PlanError(f"rank {w}: arranged KV ({kv_ids.size} rows) does not start with a referenced group")
+        return
     s, h = ent_doc[idx], ent_h[idx]
-    length = tiles.doc_len[s]
-    if length.sum() != kv_ids.size:
-        raise PlanError(f"rank {w}: arranged KV holds {kv_ids.size} units, referenced groups need {int(length.sum())}")
+    length = np.diff(np.append(off, kv_ids.size))
+    needed = np.zeros(off.size, dtype=np.int64)
+    np.maximum.at(needed, inverse.reshape(-1), rp.seq_k_len)
+    want = tiles.doc_len[s] if tiles.kv_fetch is KvFetch.GROUP else needed
+    bad = np.flatnonzero((length != want) | (length < needed))
+    if bad.size:
+        i = int(bad[0])
+        raise PlanError(f"rank {w}: arranged KV of group (doc {int(s[i])}, h {int(h[i])}) has {int(length[i])} rows; "
+                        f"its tiles need {int(needed[i])}, {tiles.kv_fetch.value} fetch wants {int(want[i])}")
     for o, si, hi, ln in zip(off, s, h, length):
-        want = ((tiles.doc_seq[si] * L + tiles.doc_start[si] + np.arange(ln)) * H + hi)
+        rows = ((tiles.doc_seq[si] * L + tiles.doc_start[si] + np.arange(ln)) * H + hi)
         got = kv_ids[o : o + ln]
-        if got.shape != want.shape or (got != want).any():
-            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold group (doc {si}, h {hi}) in order")
+        if got.shape != rows.shape or (got != rows).any():
+            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold rows [0, {ln}) of group (doc {si}, h {hi})")
     for i in range(rp.num_seqs):
         j = int(np.searchsorted(off, rp.seq_kv_offset[i]))
         if (s[j], h[j]) != (ent_doc[i], ent_h[i]):
@@ -220,11 +236,14 @@ def _check_groups(rp, tiles, ent_doc, ent_h, kv_ids) -> None:
 
 # ------------------------------------------------------------------ bytes (Eq. 8)
 def _eq8_bytes(tiles, assignment: np.ndarray):
-    """(kv bytes, q+o bytes) of Eq. 8 summed over the assignment, from tile_groups/group_remote_bytes."""
-    referenced = set()
+    """(kv bytes, q+o bytes) of Eq. 8 summed over the assignment: per referenced (group, destination) the
+    rows of its longest needed prefix the destination does not hold (``tile_kv_refs``/``group_remote_bytes``)."""
+    prefix = {}
     for t in range(tiles.num_tiles):
-        referenced.update((int(g), int(assignment[t])) for g in tiles.tile_groups(t))
-    kv = sum(tiles.group_remote_bytes(g, r) for g, r in referenced)
+        r = int(assignment[t])
+        for g, e in zip(*tiles.tile_kv_refs(t)):
+            prefix[int(g), r] = max(prefix.get((int(g), r), 0), int(e))
+    kv = sum(tiles.group_remote_bytes(g, r, e) for (g, r), e in prefix.items())
     migrated = assignment != tiles.tile_home()
     per_token = tiles.heads.q_bytes_per_token() + tiles.heads.o_bytes_per_token()
     return kv, int(tiles.tile_tokens()[migrated].sum()) * per_token

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ..config import PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
+from ..config import KvFetch, PackingMode, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind
 from ..plan.traces import load_traces
 from .cost import CalibrationTable, CostModel
 from .report import ProgressBar, format_table
@@ -54,6 +54,10 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, nargs="+", default=[4096], help="B values (tokens)")
     g.add_argument("--num-chunks", type=int, nargs="+", default=[4], help="M values, Pipeliner head chunks")
     g.add_argument("--tau", type=float, nargs="+", default=[0.03], help="Algorithm 2 load slack values")
+    g.add_argument("--tiling", type=_enum_arg(TilingPolicy, "--tiling"), nargs="+", default=[TilingPolicy.ADAPTIVE],
+                   help="SH-Tile blocks: uniform (paper) | adaptive (heavy blocks halved); several = a grid axis")
+    g.add_argument("--kv-fetch", type=_enum_arg(KvFetch, "--kv-fetch"), nargs="+", default=[KvFetch.PREFIX],
+                   help="KV a destination fetches: group (paper, whole) | prefix (causal prefix); several = a grid axis")
     g.add_argument("--token-layout", type=_enum_arg(TokenLayoutKind, "--token-layout"), default=TokenLayoutKind.ZIGZAG)
     g.add_argument("--sequence-placement", type=_enum_arg(SequencePlacement, "--sequence-placement"),
                    default=SequencePlacement.REFINED, help="inter-pool placement of the 'libra' variant")
@@ -123,6 +127,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,
         pool_sizes=tuple(args.pool_size), head_splits=tuple(args.head_split), block_sizes=tuple(args.block_size),
         dims=dims, cost=cost, chunk_counts=tuple(args.num_chunks), taus=tuple(args.tau), token_layout=args.token_layout,
+        tilings=tuple(args.tiling), kv_fetches=tuple(args.kv_fetch),
         sequence_placement=args.sequence_placement, tile_placement=args.tile_placement, packing=args.packing,
         seed=args.seed, max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
     ).validate()

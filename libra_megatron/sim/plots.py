@@ -62,6 +62,9 @@ def _plot_inter(plt, report: Dict, mean_cv: float, path: str) -> None:
     plt.close(fig)
 
 
+_SLICE = ("tau", "num_chunks", "tiling", "kv_fetch")  # a sweep of these: the heatmap shows the recommended slice
+
+
 def _plot_heatmap(plt, report: Dict, path: str) -> None:
     pools = sorted({c["pool_size"] for c in report["candidates"]})
     hs = sorted({c["head_split"] for c in report["candidates"]})
@@ -71,7 +74,7 @@ def _plot_heatmap(plt, report: Dict, path: str) -> None:
                              layout="constrained")
     rec = report["recommended"]  # a tau/M sweep: show the recommended (tau, M) slice of the grid
     grid = {(c["pool_size"], c["head_split"], c["block_size"]): 1.0 / c["straggler_vs_ulysses"]
-            for c in report["candidates"] if (c["tau"], c["num_chunks"]) == (rec["tau"], rec["num_chunks"])}
+            for c in report["candidates"] if all(c[k] == rec[k] for k in _SLICE)}
     vmin, vmax = min(grid.values()), max(grid.values())
     vmin = vmin - 0.05 * max(vmax - vmin, 1e-9)
     for ax, p in zip(axes[0], pools):
@@ -83,8 +86,9 @@ def _plot_heatmap(plt, report: Dict, path: str) -> None:
                xlabel="head split H", title=f"P={p}")
     axes[0][0].set_ylabel("block size B")
     fig.colorbar(im, ax=list(axes[0]), label="est. speedup over Ulysses")
-    swept = len({(c["tau"], c["num_chunks"]) for c in report["candidates"]}) > 1
-    slice_ = f" at tau={rec['tau']:g}, M={rec['num_chunks']}" if swept else ""
+    swept = len({tuple(c[k] for k in _SLICE) for c in report["candidates"]}) > 1
+    slice_ = (f" at tau={rec['tau']:g}, M={rec['num_chunks']}, {rec['tiling']} tiles, {rec['kv_fetch']} KV fetch"
+              if swept else "")
     fig.suptitle(f"Estimated straggler speedup over Ulysses{slice_}", fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,8 +6,9 @@ pool whose first GPU has global index ``first_gpu`` puts worker w on node (first
 Per-worker traffic (bytes per layer forward) mirrors what the exchange plan moves:
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
-    KV  holder -> r for every distinct (KV group, destination r) pair and every fragment of the
-        group's doc held by a worker other than r (deduplicated per group and destination, §4.3.3)
+    KV  holder -> r for every distinct (KV group, destination r) pair and every run of the group's rows
+        [0, p) held by a worker other than r, p = the longest prefix r's tiles need (the whole document
+        under group fetch; ``plan.kv_refs.fetched_groups``, deduplicated per group and destination, §4.3.3)
 The totals equal ``ExchangePlan.bytes_q/kv/o`` (checked in tests/sim).
 """
 
@@ -18,12 +19,15 @@ from typing import Dict, Tuple
 
 import numpy as np
 
+from ..config import KvFetch, TilingPolicy
+from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
 from ..plan.layout import HeadLayout, TokenLayout
 from ..plan.placement import TilePlacementResult, place_tiles
 from ..plan.tiles import TileSet, build_tiles
 from .cost import CostModel
 
-__all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator"]
+__all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
+           "PoolKnobs"]
 
 
 @dataclass(frozen=True)
@@ -47,22 +51,15 @@ def traffic_edges(tiles: TileSet, assignment: np.ndarray) -> TrafficEdges:
     home, tokens = tiles.tile_home(), tiles.tile_tokens()
     moved = np.flatnonzero(assignment != home)
     qb = tokens[moved] * tiles.heads.q_bytes_per_token()
-    H, W = tiles.head_split, tiles.num_workers
-    frag_block = np.repeat(np.arange(tiles.num_blocks, dtype=np.int64), np.diff(tiles.frag_ptr))
-    dest = assignment[(frag_block[:, None] * H + np.arange(H)[None, :]).reshape(-1)]
-    group = (tiles.frag_doc[:, None] * H + np.arange(H)[None, :]).reshape(-1)
-    pairs = np.unique(group * W + dest)
-    doc, r = (pairs // W) // H, pairs % W
-    per_doc = np.diff(tiles.doc_home_ptr)[doc]
-    first = np.repeat(tiles.doc_home_ptr[doc], per_doc)
-    entry = first + np.arange(int(per_doc.sum()), dtype=np.int64) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
-    kv_dst = np.repeat(r, per_doc)
-    kv_src = tiles.doc_home_worker[entry]
+    fetched = fetched_groups(tiles, assignment)
+    pair, entry, count = home_runs_in_prefix(tiles, fetched.group // tiles.head_split, fetched.end)
+    kv_dst, kv_src = fetched.dst[pair], tiles.doc_home_worker[entry]
     remote = kv_src != kv_dst
-    kvb = tiles.doc_home_count[entry][remote] * tiles.heads.kv_bytes_per_token()
+    kv_dst, kv_src = kv_dst[remote], kv_src[remote]
+    kvb = count[remote] * tiles.heads.kv_bytes_per_token()
     return TrafficEdges(
-        src=np.concatenate([home[moved], kv_src[remote], assignment[moved]]),
-        dst=np.concatenate([assignment[moved], kv_dst[remote], home[moved]]),
+        src=np.concatenate([home[moved], kv_src, assignment[moved]]),
+        dst=np.concatenate([assignment[moved], kv_dst, home[moved]]),
         nbytes=np.concatenate([qb, kvb, qb]).astype(np.int64),
         kind=np.concatenate([np.zeros(moved.size, np.int64), np.ones(kvb.size, np.int64), np.full(moved.size, 2, np.int64)]),
     )
@@ -126,14 +123,14 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
 
 
 class PoolEvaluator:
-    """Memoised ``evaluate_pool`` over the (H, B, tau, M) knobs of one window's pools.
+    """Memoised ``evaluate_pool`` over the (H, B, tau, M, tiling, KV fetch) knobs of one window's pools.
 
     ``segments[i]`` are the segment lengths of packed sequence i of the corpus. Three caches, each
     keyed only by what its stage depends on, so a tau/M sweep does not redo the expensive parts:
-        tiles       (sequence ids, H, B)                      -- independent of tau and M
-        placement   (sequence ids, H, B, method, tau, V_g)    -- Eq. 8 reads M only through
+        tiles       (sequence ids, H, B, tiling, tau if adaptive, KV fetch)  -- never on M
+        placement   (tiles key, method, tau, V_g)     -- Eq. 8 reads M only through
                     V_g = ``HeadLayout.kv_bytes_per_token`` (M-dependent when chunk pieces share a kv head)
-        result      (sequence ids, H, B, tau, M, method, node offset)
+        result      (placement key, M, node offset)
     Pools that recur between placement variants (contiguous / Alg. 1 / refined often share pools) are
     evaluated once.
     """
@@ -155,28 +152,30 @@ class PoolEvaluator:
             self._costs[num_chunks] = replace(self.cost, num_chunks=num_chunks)
         return self._costs[num_chunks]
 
-    def _tileset(self, ids: tuple, head_split: int, block_size: int, num_chunks: int) -> TileSet:
-        """Tiles of the pool with M = ``num_chunks`` (build_tiles only stores the HeadLayout)."""
-        key = (ids, head_split, block_size)
+    def _tileset(self, key: tuple, knobs: "PoolKnobs") -> TileSet:
+        """Tiles of the pool with M = ``knobs.num_chunks`` (build_tiles only stores the HeadLayout)."""
         tiles = self._tiles.get(key)
+        heads = self.heads(knobs.head_split, knobs.num_chunks)
         if tiles is None:
-            tiles = self._tiles[key] = build_tiles([self.segments[i] for i in ids], self.layout,
-                                                   self.heads(head_split, num_chunks), block_size)
-        heads = self.heads(head_split, num_chunks)
+            ids = key[0]
+            tiles = self._tiles[key] = build_tiles(
+                [self.segments[i] for i in ids], self.layout, heads, knobs.block_size, tiling=knobs.tiling,
+                tau=knobs.tau, kv_fetch=knobs.kv_fetch)
         return tiles if tiles.heads == heads else replace(tiles, heads=heads)
 
-    def evaluate(self, seq_ids, head_split: int, block_size: int, tau: float, num_chunks: int, method,
-                 first_gpu: int) -> PoolResult:
+    def evaluate(self, seq_ids, knobs: "PoolKnobs", method, first_gpu: int) -> PoolResult:
         ids = tuple(int(i) for i in seq_ids)
-        key = (ids, head_split, block_size, tau, num_chunks, str(method), first_gpu % self.cost.gpus_per_node)
+        adaptive = knobs.tiling is TilingPolicy.ADAPTIVE
+        tkey = (ids, knobs.head_split, knobs.block_size, knobs.tiling, knobs.tau if adaptive else None, knobs.kv_fetch)
+        key = (tkey, knobs.tau, knobs.num_chunks, str(method), first_gpu % self.cost.gpus_per_node)
         hit = self._cache.get(key)
         if hit is None:
-            tiles = self._tileset(ids, head_split, block_size, num_chunks)
-            pkey = (ids, head_split, block_size, str(method), tau, tiles.heads.kv_bytes_per_token())
+            tiles = self._tileset(tkey, knobs)
+            pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token())
             placed = self._placed.get(pkey)
             if placed is None:
-                placed = self._placed[pkey] = place_tiles(tiles, tau, method)
-            hit = self._cache[key] = pool_result(tiles, placed, self._cost(num_chunks), first_gpu)
+                placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method)
+            hit = self._cache[key] = pool_result(tiles, placed, self._cost(knobs.num_chunks), first_gpu)
         return hit
 
     def clear(self) -> None:
@@ -184,3 +183,15 @@ class PoolEvaluator:
         self._tiles.clear()
         self._placed.clear()
         self._cache.clear()
+
+
+@dataclass(frozen=True)
+class PoolKnobs:
+    """Everything but P that one pool evaluation depends on."""
+
+    head_split: int
+    block_size: int
+    tau: float
+    num_chunks: int
+    tiling: TilingPolicy = TilingPolicy.ADAPTIVE
+    kv_fetch: KvFetch = KvFetch.PREFIX

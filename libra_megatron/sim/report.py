@@ -40,6 +40,7 @@ _COLUMNS = (  # header, width, getter
     ("R-1 placed", 10, lambda c: f"{c['inter_pool_imbalance']['placed']:.4f}"),
     ("R-1 LB", 7, lambda c: f"{c['inter_pool_imbalance']['lower_bound']:.4f}"),
     ("intra", 7, lambda c: f"{c['intra_pool_imbalance']:.4f}"),
+    ("intra max", 9, lambda c: f"{c['intra_pool_imbalance_max']:.4f}"),
     ("Q GB", 7, lambda c: f"{c['bytes_per_layer']['q'] / 1e9:.2f}"),
     ("KV GB", 7, lambda c: f"{c['bytes_per_layer']['kv'] / 1e9:.2f}"),
     ("O GB", 7, lambda c: f"{c['bytes_per_layer']['o'] / 1e9:.2f}"),
@@ -56,8 +57,10 @@ _COLUMNS = (  # header, width, getter
 _SWEPT_COLUMNS = (  # (JSON key, column): shown after B only when the run swept more than one value
     ("tau", ("tau", 6, lambda c: f"{c['tau']:g}")),
     ("num_chunks", ("M", 3, lambda c: f"{c['num_chunks']}")),
+    ("tiling", ("tiling", 8, lambda c: c["tiling"])),
+    ("kv_fetch", ("fetch", 6, lambda c: c["kv_fetch"])),
 )
-_KNOBS = ("pool_size", "head_split", "block_size", "tau", "num_chunks")
+_KNOBS = ("pool_size", "head_split", "block_size", "tau", "num_chunks", "tiling", "kv_fetch")
 
 
 def _columns(candidates: List[Dict]) -> list:
@@ -79,8 +82,8 @@ def format_table(report: Dict) -> str:
     for cand in report["candidates"]:
         mark = " <- recommended" if all(cand[k] == best[k] for k in _KNOBS) else ""
         rows.append(" ".join(get(cand).rjust(w) for _, w, get in columns) + mark)
-    swept = "".join(f" {name}={best[key]:g}" for key, (name, _, _) in _SWEPT_COLUMNS
-                    if any(h == name for h, _, _ in columns))
+    swept = "".join(f" {name}={best[key]:g}" if isinstance(best[key], (int, float)) else f" {name}={best[key]}"
+                    for key, (name, _, _) in _SWEPT_COLUMNS if any(h == name for h, _, _ in columns))
     uly, wlb = report["baselines"]["ulysses"], report["baselines"]["wlb_llm"]
     rows += [
         "",
@@ -91,7 +94,8 @@ def format_table(report: Dict) -> str:
         f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",
         f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}{swept}: estimated step "
         f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
-        "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra = worker max/mean-1 (Eq. 6); GB = remote bytes per pool"
+        "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra (max) = worker max/mean-1 (Eq. 6), mean (worst) over"
+        " pools; GB = remote bytes per pool"
         " per layer fwd; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
     ]
     return "\n".join(rows)

@@ -31,14 +31,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..config import LibraConfig, PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
+from ..config import KvFetch, LibraConfig, PackingMode, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind
 from ..plan.layout import TokenLayout
 from ..plan.packing import pack_documents
 from ..plan.sequences import place_sequences, pool_loads
 from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
 from .cost import CostModel
-from .pools import PoolEvaluator, PoolResult
+from .pools import PoolEvaluator, PoolKnobs, PoolResult
 
 __all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "MODEL_PRESETS", "DTYPE_BYTES"]
 
@@ -65,8 +65,8 @@ class ModelDims:
 class SimSpec:
     """Everything one simulator run depends on (the CLI builds it; ``validate`` names CLI flags).
 
-    The candidate grid is pool_sizes x head_splits x block_sizes x taus x chunk_counts (in that
-    nesting order). ``cost.num_chunks`` must be one of ``chunk_counts``; each candidate runs the cost
+    The candidate grid is pool_sizes x head_splits x block_sizes x taus x chunk_counts x tilings x
+    kv_fetches (in that nesting order). ``cost.num_chunks`` must be one of ``chunk_counts``; each candidate runs the cost
     model with its own M.
     """
 
@@ -81,6 +81,8 @@ class SimSpec:
     cost: CostModel
     chunk_counts: Tuple[int, ...] = (4,)  # M values (Pipeliner head chunks), --num-chunks
     taus: Tuple[float, ...] = (0.03,)  # Algorithm 2 load slack values, --tau
+    tilings: Tuple[TilingPolicy, ...] = (TilingPolicy.ADAPTIVE,)  # --tiling
+    kv_fetches: Tuple[KvFetch, ...] = (KvFetch.PREFIX,)  # --kv-fetch
     token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
     sequence_placement: SequencePlacement = SequencePlacement.REFINED
     tile_placement: TilePlacement = TilePlacement.ALG2
@@ -136,8 +138,10 @@ def _validate_spec(spec: SimSpec) -> None:
             raise ValueError(f"--pool-size {p} must divide --dp {dp} ({dp} % {p} = {dp % p})")
     for b in spec.block_sizes:
         _positive(b, "--block-size")
-    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts):
-        raise ValueError("--pool-size, --head-split, --block-size, --tau and --num-chunks each need at least one value")
+    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts
+            and spec.tilings and spec.kv_fetches):
+        raise ValueError("--pool-size, --head-split, --block-size, --tau, --num-chunks, --tiling and --kv-fetch "
+                         "each need at least one value")
     _validate_heads(spec)
     chunks = TokenLayout.cp_chunk_count(spec.token_layout, cp)
     if spec.seq_len % chunks:
@@ -186,13 +190,15 @@ class WorstStep:
 
 @dataclass
 class Candidate:
-    """Accumulated measurements of one (P, H, B, tau, M)."""
+    """Accumulated measurements of one (P, H, B, tau, M, tiling, KV fetch)."""
 
     pool_size: int
     head_split: int
     block_size: int
     tau: float
     num_chunks: int
+    tiling: TilingPolicy = TilingPolicy.ADAPTIVE
+    kv_fetch: KvFetch = KvFetch.PREFIX
     inter: Dict[str, List[float]] = field(default_factory=lambda: {k: [] for k in ("contiguous", "alg1", "placed", "lower_bound", "eq3")})
     intra: List[float] = field(default_factory=list)
     bytes_qkvo: List[Tuple[int, int, int]] = field(default_factory=list)
@@ -203,9 +209,9 @@ class Candidate:
     worst: Optional[WorstStep] = None
 
     @property
-    def knobs(self) -> Tuple[int, int, float, int]:
-        """(H, B, tau, M): everything but P that a pool evaluation depends on."""
-        return self.head_split, self.block_size, self.tau, self.num_chunks
+    def knobs(self) -> PoolKnobs:
+        """Everything but P that a pool evaluation depends on."""
+        return PoolKnobs(self.head_split, self.block_size, self.tau, self.num_chunks, self.tiling, self.kv_fetch)
 
     @property
     def estimated_step_seconds(self) -> float:
@@ -217,7 +223,7 @@ class Candidate:
         baselines = {k: self.steps[k].summary(ulysses) for k in ("tap", "tap_vrsp", "distca") if self.steps[k].seconds}
         return {
             "pool_size": self.pool_size, "head_split": self.head_split, "block_size": self.block_size,
-            "tau": self.tau, "num_chunks": self.num_chunks,
+            "tau": self.tau, "num_chunks": self.num_chunks, "tiling": self.tiling.value, "kv_fetch": self.kv_fetch.value,
             "num_tiles": int(round(float(np.mean(self.num_tiles)))),
             "inter_pool_imbalance": {k: float(np.mean(v)) for k, v in self.inter.items()},
             "intra_pool_imbalance": float(np.mean(self.intra)),
@@ -275,12 +281,12 @@ class _OrderRun:
 
 
 def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int,
-               knobs: Tuple[int, int, float, int], method, spec: SimSpec) -> _OrderRun:
+               knobs: PoolKnobs, method, spec: SimSpec) -> _OrderRun:
     """Evaluate every pool of ``order`` (positions into the window ``ids``) and take per-step maxima."""
     num_pools = order.size // pool_size
     step, first_dp = _pool_positions(num_pools, pool_size, spec.data_parallel_size)
     cp = spec.context_parallel_size
-    pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], *knobs, method, int(first_dp[k]) * cp)
+    pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], knobs, method, int(first_dp[k]) * cp)
              for k in range(num_pools)]
     step_seconds = np.zeros(spec.num_steps)
     np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
@@ -323,7 +329,7 @@ def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
     return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
 
 
-def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: Tuple[int, int, float, int], spec: SimSpec) -> np.ndarray:
+def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> np.ndarray:
     order = np.arange(spec.global_batch_size, dtype=np.int64)
     return _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec).step_seconds
 
@@ -402,9 +408,11 @@ class SimResult:
     window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
 
     def recommended(self) -> Candidate:
-        """argmin of the objective (``OBJECTIVE``); candidates are kept in (P, H, B, tau, M) grid order."""
-        return min(self.candidates, key=lambda c: (c.estimated_step_seconds, c.pool_size, c.head_split, c.block_size,
-                                                   c.tau, c.num_chunks))
+        """argmin of the objective (``OBJECTIVE``); ties go to smaller (P, H, B, tau, M), then the earlier
+        (tiling, KV fetch) of the grid (candidates are kept in grid order)."""
+        return min(enumerate(self.candidates), key=lambda ic: (ic[1].estimated_step_seconds, ic[1].pool_size,
+                                                              ic[1].head_split, ic[1].block_size, ic[1].tau,
+                                                              ic[1].num_chunks, ic[0]))[1]
 
     def _assumptions(self) -> Dict[str, object]:
         s = self.spec
@@ -415,10 +423,13 @@ class SimResult:
             "cp": s.context_parallel_size, "num_heads": s.dims.num_q_heads, "num_kv_heads": s.dims.num_kv_heads,
             "head_dim": s.dims.head_dim, "elem_bytes": s.dims.elem_bytes,
             "num_chunks": _scalar_or_list(s.chunk_counts), "tau": _scalar_or_list(s.taus),
+            "tiling": _scalar_or_list(tuple(t.value for t in s.tilings)),
+            "kv_fetch": _scalar_or_list(tuple(f.value for f in s.kv_fetches)),
             "token_layout": s.token_layout.value, "sequence_placement": s.sequence_placement.value,
             "tile_placement": s.tile_placement.value, "packing": s.packing.value, "seed": s.seed,
             "wlb_cap_factor": s.wlb_cap_factor, "cost": cost,
-            "objective": OBJECTIVE + (", tau, M" if len(s.taus) * len(s.chunk_counts) > 1 else ""),
+            "objective": OBJECTIVE + (", tau, M" if len(s.taus) * len(s.chunk_counts) > 1 else "")
+            + (", then grid order of tiling, KV fetch" if len(s.tilings) * len(s.kv_fetches) > 1 else ""),
             "units": "seconds and bytes per attention layer, forward pass",
         }
 
@@ -431,8 +442,8 @@ class SimResult:
             "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
             "candidates": [c.to_json(self.ulysses) for c in self.candidates],
             "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
-                            "tau": best.tau, "num_chunks": best.num_chunks,
-                            "estimated_step_seconds": best.estimated_step_seconds,
+                            "tau": best.tau, "num_chunks": best.num_chunks, "tiling": best.tiling.value,
+                            "kv_fetch": best.kv_fetch.value, "estimated_step_seconds": best.estimated_step_seconds,
                             "worst_step": best.worst.to_json() if best.worst else None},
         }
 
@@ -443,8 +454,9 @@ def _scalar_or_list(values: Tuple) -> object:
 
 
 def _make_candidates(spec: SimSpec) -> List[Candidate]:
-    return [Candidate(p, h, b, t, m) for p in spec.pool_sizes for h in spec.head_splits for b in spec.block_sizes
-            for t in spec.taus for m in spec.chunk_counts]
+    return [Candidate(p, h, b, t, m, tiling, fetch) for p in spec.pool_sizes for h in spec.head_splits
+            for b in spec.block_sizes for t in spec.taus for m in spec.chunk_counts for tiling in spec.tilings
+            for fetch in spec.kv_fetches]
 
 
 def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, result: SimResult) -> None:
@@ -454,7 +466,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
     flops = corpus.flops[win.ids]
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
-    distca: Dict[Tuple[int, int, float, int], np.ndarray] = {}
+    distca: Dict[PoolKnobs, np.ndarray] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
         inter = _inter_pool(p, flops, orders)

@@ -35,7 +35,7 @@ def _yaml(tmp_path, data, name="libra.yaml"):
 def test_flags_default_to_none_so_overrides_are_detectable():
     args = add_libra_args(argparse.ArgumentParser()).parse_args([])
     libra = {k: v for k, v in vars(args).items() if k.startswith("libra_")}
-    assert len(libra) == 13 and all(v is None for v in libra.values())
+    assert len(libra) == 15 and all(v is None for v in libra.values())
     assert libra_config_from_args(_args([])) == LibraConfig()
 
 
@@ -46,6 +46,15 @@ def test_flags_override_yaml_and_yaml_overrides_defaults(tmp_path):
     assert (config.pool_size, config.head_split, config.num_chunks, config.tau) == (2, 4, 2, 0.05)
     assert config.token_layout is TokenLayoutKind.CONTIGUOUS and config.tile_placement is TilePlacement.REFINED
     assert config.block_size == LibraConfig().block_size
+
+
+def test_tiling_and_kv_fetch_flags_override_the_yaml(tmp_path):
+    path = _yaml(tmp_path, {"libra": {"tiling": "uniform", "kv_fetch": "group"}})
+    assert (libra_config_from_args(_args(["--libra-config", path])).tiling.value,
+            libra_config_from_args(_args(["--libra-config", path])).kv_fetch.value) == ("uniform", "group")
+    config = libra_config_from_args(_args(["--libra-config", path, "--libra-tiling", "adaptive",
+                                           "--libra-kv-fetch", "prefix"]))
+    assert (config.tiling.value, config.kv_fetch.value) == ("adaptive", "prefix")
 
 
 def test_ablation_switches_force_placements_and_log(caplog):

@@ -36,7 +36,8 @@ def pools(draw, max_chunk=6):
     heads = HeadLayout(hq, hq // group, 4, H, M, elem_bytes=2)
     segs = [_partition(draw, L) for _ in range(P)]
     B = draw(st.integers(1, L + 2))
-    tiles = build_tiles(segs, layout, heads, B)
+    tiles = build_tiles(segs, layout, heads, B, tiling=draw(st.sampled_from(["uniform", "adaptive"])),
+                        kv_fetch=draw(st.sampled_from(["group", "prefix"])), min_block_size=draw(st.sampled_from([1, 2])))
     home = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     assign = tiles.tile_home() if home else rng.integers(0, tiles.num_workers, tiles.num_tiles)
@@ -76,10 +77,11 @@ def token_ids(layout, P, H):
 
 
 def brute_force_expectation(segs, layout, tiles, assign):
-    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, doc start, len, h)}."""
+    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, doc start, rows, h)},
+    rows = the whole doc (group fetch) or the longest causal prefix its tiles there need (prefix fetch)."""
     H, L, W = tiles.head_split, layout.seq_len, tiles.num_workers
     want_q = [set() for _ in range(W)]
-    want_groups = [set() for _ in range(W)]
+    prefix = [dict() for _ in range(W)]
     for t, d in enumerate(assign):
         b, h = divmod(t, H)
         p, lo, hi = int(tiles.block_seq[b]), int(tiles.block_start[b]), int(tiles.block_end[b])
@@ -87,7 +89,10 @@ def brute_force_expectation(segs, layout, tiles, assign):
         starts = np.concatenate([[0], np.cumsum(segs[p])])
         for s0, s1 in zip(starts[:-1], starts[1:]):
             if s0 < hi and lo < s1:
-                want_groups[d].add((p, int(s0), int(s1 - s0), h))
+                rows = int(s1 - s0) if tiles.kv_fetch.value == "group" else int(min(hi, s1) - s0)
+                key = (p, int(s0), h)
+                prefix[d][key] = max(prefix[d].get(key, 0), rows)
+    want_groups = [{(p, s0, n, h) for (p, s0, h), n in pre.items()} for pre in prefix]
     return want_q, want_groups
 
 
@@ -103,11 +108,11 @@ def test_numbered_units_reach_their_destination_and_outputs_return_home_once(poo
     want_q, want_groups = brute_force_expectation(segs, layout, tiles, assign)
     for d in range(tiles.num_workers):
         assert sorted(arr_q[d].tolist()) == sorted(want_q[d])
-        assert len(arr_kv[d]) == sum(g[2] for g in want_groups[d])  # every group exactly once
+        assert len(arr_kv[d]) == sum(g[2] for g in want_groups[d])  # every group's prefix exactly once
         where = {int(x): i for i, x in enumerate(arr_kv[d])}
         for p, s0, n, h in want_groups[d]:
             rows = [where[(p * L + s0 + j) * H + h] for j in range(n)]
-            assert rows == list(range(rows[0], rows[0] + n))  # complete, contiguous, doc order
+            assert rows == list(range(rows[0], rows[0] + n))  # the prefix, contiguous, in doc order
     back = return_outputs_numpy(plan, [a + 1 for a in arr_q])  # +1: a missing return would read 0
     for w in range(tiles.num_workers):
         np.testing.assert_array_equal(back[w], ids[w] + 1)
@@ -234,7 +239,7 @@ def test_fingerprint_is_identical_on_every_rank_and_changes_with_the_assignment(
 
 def test_bad_assignment_raises_plan_error_naming_the_tile():
     layout, heads = TokenLayout("contiguous", 8, 2), HeadLayout(2, 2, 4, 1, 1)
-    tiles = build_tiles([[8]], layout, heads, 4)
+    tiles = build_tiles([[8]], layout, heads, 4, tiling="uniform")
     with pytest.raises(ValueError, match="tile 1: destination 5"):
         build_exchange_plan(tiles, np.array([0, 5]))
     with pytest.raises(ValueError, match="one per tile"):

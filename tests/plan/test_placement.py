@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from libra_megatron.config import TilePlacement, TokenLayoutKind
-from libra_megatron.plan import placement
+from libra_megatron.config import KvFetch, TilePlacement, TilingPolicy, TokenLayoutKind
+from libra_megatron.plan import alg2
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.placement import assignment_comm_bytes, place_tiles
 from libra_megatron.plan.tiles import build_tiles
@@ -22,9 +22,17 @@ HEADS = {  # (hq, hkv, d): Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, paper micro
 }
 
 
-def reference_alg2(tiles, tau, tile_cost=None):
-    """Algorithm 2 line by line over all W workers, Eq. 8 from tiles.group_remote_bytes.
+def _position_holders(tiles):
+    """Per packed sequence: the worker holding each global position, from the layout alone."""
+    rank, _ = tiles.layout.global_to_local()
+    return [p * tiles.layout.cp + rank for p in range(tiles.pool_size)]
 
+
+def reference_alg2(tiles, tau, tile_cost=None):
+    """Algorithm 2 line by line over all W workers, Eq. 8 with prefixes counted position by position.
+
+    A tile needs rows [0, e) of each group it references (``tile_kv_refs``; e = the document length under
+    KvFetch.GROUP, which makes this the paper's V_g(r)); C_r keeps the largest prefix selected per group.
     f_t = Eq. 6 tile_flops, or ``tile_cost`` [num_tiles] floats (C then from the exact float sum)."""
     if tile_cost is None:
         f = [int(x) for x in tiles.tile_flops()]
@@ -32,16 +40,23 @@ def reference_alg2(tiles, tau, tile_cost=None):
     else:
         f = [float(x) for x in tile_cost]
         total = math.fsum(f)
-    W = tiles.num_workers
+    W, H = tiles.num_workers, tiles.head_split
     cap = (1.0 + tau) * total / W
     order = sorted(range(len(f)), key=lambda t: (-f[t], t))
-    loads, resident = [0] * W, [set() for _ in range(W)]
+    loads, selected = [0] * W, [dict() for _ in range(W)]
     homes, tokens = tiles.tile_home(), tiles.tile_tokens()
-    qo = 2 * tiles.heads.q_bytes_per_token()
+    qo, kvb = 2 * tiles.heads.q_bytes_per_token(), tiles.heads.kv_bytes_per_token()
+    holder = _position_holders(tiles)
     assignment, comm, fallbacks = [0] * len(f), 0, 0
 
+    def remote_rows(group, r, lo, hi):
+        doc = int(group) // H
+        seq, start = int(tiles.doc_seq[doc]), int(tiles.doc_start[doc])
+        return int((holder[seq][start + lo : start + hi] != r).sum()) if hi > lo else 0
+
     def dcomm(t, r):
-        kv = sum(tiles.group_remote_bytes(g, r) for g in tiles.tile_groups(t) if int(g) not in resident[r])
+        groups, ends = tiles.tile_kv_refs(t)
+        kv = sum(remote_rows(g, r, selected[r].get(int(g), 0), int(e)) for g, e in zip(groups, ends)) * kvb
         return kv + (int(tokens[t]) * qo if r != homes[t] else 0)
 
     for t in order:
@@ -55,7 +70,8 @@ def reference_alg2(tiles, tau, tile_cost=None):
         assignment[t] = best
         loads[best] += f[t]
         comm += scores[best]
-        resident[best].update(int(g) for g in tiles.tile_groups(t))
+        for g, e in zip(*tiles.tile_kv_refs(t)):
+            selected[best][int(g)] = max(selected[best].get(int(g), 0), int(e))
     return np.array(assignment), comm, fallbacks
 
 
@@ -85,7 +101,10 @@ def pools(draw):
     tau = draw(st.sampled_from([0.0, 0.03, 0.2]))
     layout = TokenLayout(kind, seq_len, cp)
     heads = HeadLayout(hq, hkv, d, H, 2, elem_bytes=2)
-    tiles = build_tiles(random_segments(rng, pool, seq_len), layout, heads, block)
+    tiling = draw(st.sampled_from(list(TilingPolicy)))
+    kv_fetch = draw(st.sampled_from(list(KvFetch)))
+    tiles = build_tiles(random_segments(rng, pool, seq_len), layout, heads, block, tiling=tiling, tau=tau,
+                        kv_fetch=kv_fetch, min_block_size=draw(st.sampled_from([1, 2, None])))
     return tiles, tau
 
 
@@ -121,7 +140,7 @@ def _two_sequence_pool():
     # P=2, CP=1, L=8, B=4: seq 0 = one doc of 8 (blocks f=10, 26), seq 1 = eight docs of 1 (f=4, 4)
     layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 8, 1)
     heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
-    return build_tiles([[8], [1] * 8], layout, heads, 4)
+    return build_tiles([[8], [1] * 8], layout, heads, 4, tiling="uniform", kv_fetch="group")
 
 
 def test_alg2_hand_computed_case_with_fallback_and_kv_reuse():
@@ -143,7 +162,7 @@ def test_alg2_prefers_resident_kv_group_over_lower_load():
     # tau large => everything feasible; dcomm picks the home (0 bytes) every time.
     layout = TokenLayout(TokenLayoutKind.CONTIGUOUS, 12, 1)
     heads = HeadLayout(1, 1, 1, 1, 1, elem_bytes=1)
-    tiles = build_tiles([[12], [12]], layout, heads, 4)
+    tiles = build_tiles([[12], [12]], layout, heads, 4, tiling="uniform", kv_fetch="group")
     res = place_tiles(tiles, tau=10.0, method=TilePlacement.ALG2)
     np.testing.assert_array_equal(res.assignment, tiles.tile_home())
     assert res.comm_bytes == (0, 0, 0)
@@ -164,14 +183,15 @@ def test_alg2_load_ordered_scan_path_equals_direct_reference(case):
     # force the path used when a shared KV group is resident on many workers (> _FEW_RESIDENTS)
     tiles, tau = case
     expected, comm, _ = reference_alg2(tiles, tau)
-    with mock.patch.object(placement, "_FEW_RESIDENTS", 0):
+    with mock.patch.object(alg2, "_FEW_RESIDENTS", 0):
         got = place_tiles(tiles, tau=tau, method=TilePlacement.ALG2)
     np.testing.assert_array_equal(got.assignment, expected)
     assert sum(got.comm_bytes) == comm
 
 
-@pytest.mark.parametrize("head_split,tau", [(1, 0.0), (4, 0.03)])
-def test_alg2_equals_reference_on_a_32_worker_pool_with_long_samples(head_split, tau):
+@pytest.mark.parametrize("head_split,tau,tiling,kv_fetch", [(1, 0.0, "uniform", "group"), (4, 0.03, "uniform", "group"),
+                                                           (1, 0.0, "adaptive", "prefix"), (4, 0.03, "adaptive", "prefix")])
+def test_alg2_equals_reference_on_a_32_worker_pool_with_long_docs(head_split, tau, tiling, kv_fetch):
     # synthetic: P=4, CP=8 zigzag, L=512, B=16; each sequence mixes one long doc with short ones
     rng = np.random.default_rng(7)
     segs = []
@@ -179,7 +199,8 @@ def test_alg2_equals_reference_on_a_32_worker_pool_with_long_samples(head_split,
         long_len = int(rng.integers(200, 512))
         rest = np.diff(np.concatenate([[0], np.sort(rng.choice(np.arange(1, 512 - long_len), 6, replace=False)), [512 - long_len]]))
         segs.append(np.concatenate([rest[:3], [long_len], rest[3:]]))
-    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 512, 8), HeadLayout(32, 4, 128, head_split, 2), 16)
+    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 512, 8), HeadLayout(32, 4, 128, head_split, 2), 16,
+                        tiling=tiling, tau=tau, kv_fetch=kv_fetch, min_block_size=4)
     expected, comm, fallbacks = reference_alg2(tiles, tau)
     got = place_tiles(tiles, tau=tau)
     np.testing.assert_array_equal(got.assignment, expected)

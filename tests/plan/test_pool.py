@@ -71,3 +71,19 @@ def test_config_that_disagrees_with_the_layouts_names_the_flag(field, value, fla
     bad = dataclasses.replace(config, **{field: value})
     with pytest.raises(ValueError, match=flag):
         plan_pool(segs, bad, layout, heads)
+
+
+@pytest.mark.parametrize("tiling,kv_fetch", [("uniform", "group"), ("adaptive", "prefix"), ("uniform", "prefix"),
+                                             ("adaptive", "group")])
+def test_tiling_and_kv_fetch_from_the_config_reach_the_plan(tiling, kv_fetch):
+    segs, config, layout, heads = setup(P=2, cp=2, H=1, M=2, B=12, seed=5)
+    segs = [[layout.seq_len], *segs[1:]]  # one document spanning a whole sequence: heavy late blocks
+    config = dataclasses.replace(config, tiling=tiling, kv_fetch=kv_fetch)
+    pp = plan_pool(segs, config, layout, heads)
+    assert (pp.tiles.tiling.value, pp.tiles.kv_fetch.value) == (tiling, kv_fetch)
+    uniform = plan_pool(segs, dataclasses.replace(config, tiling="uniform", kv_fetch="group"), layout, heads)
+    assert (pp.tiles.num_tiles > uniform.tiles.num_tiles) == (tiling == "adaptive")
+    group_kv = dataclasses.replace(config, kv_fetch="group")
+    whole = plan_pool(segs, group_kv, layout, heads).exchange
+    fetched = sum(rp.kv_route.target_len for rp in pp.exchange.ranks)
+    assert (fetched < sum(rp.kv_route.target_len for rp in whole.ranks)) == (kv_fetch == "prefix")

@@ -15,6 +15,8 @@ from libra_megatron.testing.traces import trace_lengths
 HEAD_CONFIGS = [(8, 8, 2, 2), (8, 2, 1, 4), (8, 1, 4, 2), (8, 2, 4, 1), (16, 2, 2, 1), (4, 4, 4, 1),
                 (8, 8, 1, 4), (16, 4, 2, 2), (8, 1, 1, 1)]
 POOL_SHAPES = {2: [(1, 2), (2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}  # world size -> [(P, CP)]
+# (tiling, KV fetch) of case i: TILINGS[i % 4]; case 2 (adaptive + prefix) holds one document cut adaptively
+TILINGS = [("uniform", "group"), ("uniform", "prefix"), ("adaptive", "prefix"), ("adaptive", "group")]
 
 
 def trace_segments(rng: np.random.Generator, num_seqs: int, seq_len: int) -> List[List[int]]:
@@ -48,11 +50,15 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
         if i == 0:
             segs[0] = [L]  # one sample longer than a whole shard
         if i == 1:
-            segs[-1] = [1, 2, 1] + [L - 4]  # tiny samples and a short-final-block sample
+            segs[-1] = [1, 2, 1] + [L - 4]  # tiny docs and a short-final-block doc
+        split_one_doc = i == 2 and P * cp >= 4  # one whole-sequence doc, cut adaptively, spread by Alg. 2
+        if split_one_doc:
+            segs = [[L]] + [[4] * (L // 4) for _ in range(P - 1)]
         cases.append(dict(
             P=P, cp=cp, L=L, segs=segs, hq=hq, hkv=hkv, H=H, M=M, d=4,
-            layout=["contiguous", "zigzag"][i % 2], block=int(rng.choice([5, 8, 12, 16])),
-            assign=["home", "random", "alg2"][i % 3], assign_seed=int(rng.integers(1 << 30)),
+            layout=["contiguous", "zigzag"][i % 2], block=16 if split_one_doc else int(rng.choice([5, 8, 12, 16])),
+            tiling=TILINGS[i % 4][0], kv_fetch=TILINGS[i % 4][1],
+            assign="alg2" if split_one_doc else ["home", "random", "alg2"][i % 3], assign_seed=int(rng.integers(1 << 30)),
             dtype="float64" if i % 4 else "float32", save_mode=["arranged", "refetch"][(i // 2) % 2],
             fmt="sbhd" if i % 5 == 3 else "thd", data_seed=int(rng.integers(1 << 30)),
         ))
@@ -60,7 +66,12 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
 
 
 # ====================================================================================== per-rank
-def _build(case, rank_override_assign=None):
+def build_plan(case):
+    """(tiles, ExchangePlan) of a case, as every rank builds it."""
+    return _build(case, with_tiles=True)
+
+
+def _build(case, rank_override_assign=None, with_tiles=False):
     from libra_megatron.config import TilePlacement
     from libra_megatron.plan.exchange import build_exchange_plan
     from libra_megatron.plan.layout import HeadLayout, TokenLayout
@@ -70,7 +81,8 @@ def _build(case, rank_override_assign=None):
     elem = 8 if case["dtype"] == "float64" else 4
     layout = TokenLayout(case["layout"], case["L"], case["cp"])
     heads = HeadLayout(case["hq"], case["hkv"], case["d"], case["H"], case["M"], elem_bytes=elem)
-    tiles = build_tiles(case["segs"], layout, heads, case["block"])
+    tiles = build_tiles(case["segs"], layout, heads, case["block"], tiling=case.get("tiling", "uniform"), tau=0.03,
+                        kv_fetch=case.get("kv_fetch", "group"), min_block_size=1)
     kind = rank_override_assign or case["assign"]
     if kind == "home":
         assign = tiles.tile_home()
@@ -78,7 +90,8 @@ def _build(case, rank_override_assign=None):
         assign = np.random.default_rng(case["assign_seed"]).integers(0, tiles.num_workers, tiles.num_tiles)
     else:
         assign = place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment
-    return layout, build_exchange_plan(tiles, assign)
+    plan = build_exchange_plan(tiles, assign)
+    return (tiles, plan) if with_tiles else (layout, plan)
 
 
 def _inputs(case, p: int, layout):

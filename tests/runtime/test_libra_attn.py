@@ -8,7 +8,7 @@ import pytest
 
 from libra_megatron.testing.dist import run_distributed
 
-from .cases import HEAD_CONFIGS, make_cases, run_suite, trace_segments
+from .cases import HEAD_CONFIGS, build_plan, make_cases, run_suite, trace_segments
 
 CASES_PER_WORLD = {2: 10, 4: 10, 8: 6}
 TOL = {"float64": 1e-10, "float32": 2e-5}
@@ -86,7 +86,8 @@ def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
 
 
 def test_cases_cover_the_required_grid():
-    seen = {k: set() for k in ("P", "cp", "H", "M", "ratio", "layout", "assign", "dtype", "save_mode", "fmt")}
+    seen = {k: set() for k in ("P", "cp", "H", "M", "ratio", "layout", "assign", "dtype", "save_mode", "fmt",
+                               "tiling", "kv_fetch")}
     for w in CASES_PER_WORLD:
         for c in make_cases(w, seed=1000 + w, count=CASES_PER_WORLD[w]):
             for k in seen:
@@ -94,6 +95,25 @@ def test_cases_cover_the_required_grid():
     assert seen["P"] == {1, 2, 4} and seen["cp"] == {1, 2} and seen["H"] == {1, 2, 4} and seen["M"] == {1, 2, 4}
     assert seen["ratio"] == {1, 4, 8} and seen["assign"] == {"home", "random", "alg2"}
     assert len(seen["layout"]) == len(seen["dtype"]) == len(seen["save_mode"]) == len(seen["fmt"]) == 2
+    assert seen["tiling"] == {"uniform", "adaptive"} and seen["kv_fetch"] == {"group", "prefix"}
+    for w in CASES_PER_WORLD:  # every (tiling, KV fetch) pair at every world size
+        cases = make_cases(w, seed=1000 + w, count=CASES_PER_WORLD[w])
+        assert {(c["tiling"], c["kv_fetch"]) for c in cases} == {(t, f) for t in ("uniform", "adaptive")
+                                                                   for f in ("group", "prefix")}, w
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_one_document_split_adaptively_across_many_workers_matches_reference(world_size):
+    cases, _, _, results, _ = _suite(world_size)
+    case = cases[2]
+    tiles, plan = build_plan(case)
+    whole = np.flatnonzero(tiles.block_seq == 0)  # sequence 0 is one document
+    uniform_blocks = -(-case["L"] // case["block"])
+    assert whole.size > uniform_blocks, "adaptive tiling split the document's heavy blocks"
+    hosts = {int(plan.assignment[b * tiles.head_split + h]) for b in whole for h in range(tiles.head_split)}
+    assert len(hosts) >= 3, hosts
+    for rank, res in enumerate(results):
+        assert max(res["libra"][2]["errs"]) <= TOL[case["dtype"]], (rank, res["libra"][2]["errs"])
     assert {(hq, hkv, H, M) for hq, hkv, H, M in HEAD_CONFIGS if H > hkv}, "need H > hkv configs"
 
 

@@ -70,3 +70,35 @@ def test_bad_num_chunks_value_names_the_flag_and_the_arithmetic(tmp_path, heads,
     trace.write_text("\n".join(map(str, SYNTH)) + "\n")
     with pytest.raises(ValueError, match=match):
         main(["--trace", str(trace)] + FLAGS + heads + ["--num-chunks", *chunks])
+
+
+@pytest.fixture(scope="module")
+def tiled():
+    return _report(["--tiling", "uniform", "adaptive", "--kv-fetch", "group", "prefix", "--tau", "0"])
+
+
+def test_tiling_and_kv_fetch_are_grid_axes_in_the_json(tiled):
+    grid = [(c["tiling"], c["kv_fetch"]) for c in tiled["candidates"]]
+    assert grid == [(t, f) for t in ("uniform", "adaptive") for f in ("group", "prefix")]
+    assert tiled["assumptions"]["tiling"] == ["uniform", "adaptive"]
+    assert tiled["assumptions"]["kv_fetch"] == ["group", "prefix"]
+    for cand in tiled["candidates"]:
+        assert cand["intra_pool_imbalance_max"] >= cand["intra_pool_imbalance"]
+        single = _report(["--tiling", cand["tiling"], "--kv-fetch", cand["kv_fetch"], "--tau", "0"])
+        assert single["candidates"] == [cand]
+
+
+def test_prefix_fetch_moves_less_kv_and_adaptive_tiles_are_finer(tiled):
+    by = {(c["tiling"], c["kv_fetch"]): c for c in tiled["candidates"]}
+    for tiling in ("uniform", "adaptive"):
+        assert by[tiling, "prefix"]["bytes_per_layer"]["kv"] < by[tiling, "group"]["bytes_per_layer"]["kv"]
+    for fetch in ("group", "prefix"):
+        assert by["adaptive", fetch]["num_tiles"] > by["uniform", fetch]["num_tiles"]
+        assert by["adaptive", fetch]["intra_pool_imbalance_max"] <= by["uniform", fetch]["intra_pool_imbalance_max"]
+
+
+def test_table_shows_tiling_and_fetch_columns_when_swept(tiled):
+    table = format_table(tiled)
+    header = table.splitlines()[0].split()
+    assert header[:5] == ["P", "H", "B", "tiling", "fetch"] and "intra" in header
+    assert " tiling=" in table.splitlines()[-2] and " fetch=" in table.splitlines()[-2]
