@@ -1,14 +1,22 @@
-"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shared real traces, in estimated FLOPs.
+"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shared real traces; tilings and KV fetch side by side.
 
-Run:  .venv/bin/python benchmarks/bench_balance.py [--windows N]
+Run:  .venv/bin/python benchmarks/bench_balance.py [--windows N] [--cases NAME ...] [--rules] [--skip-inter]
 
-For each trace (linux-6.12-files, wikipedia-flexsp) and setting (256K: GBS=128, CP=8, B=4096;
-1M: GBS=32, CP=16, B=8192; P=8, H=1, zigzag, paper microbench heads), documents are packed
-Megatron-style (fixed-seed shuffle, concatenate, cut every L tokens) and cut into GBS windows.
-Inter-pool: mean over windows of R-1 (max/mean pool load - 1) for contiguous, Alg. 1, refined, and two
-lower bounds (the simple outlier/mean bound and the counting bound). Intra-pool: mean and max over
-pools (after refined VRSP) of worker max/mean for ALG2 and REFINED, tiles placed by the fallback,
-pools where some tile exceeds C (then max/mean <= 1+tau cannot be promised), and remote bytes.
+Inter-pool (P=8; 256K: GBS=128, 1M: GBS=32): mean over windows of R-1 (max/mean pool load - 1) for
+contiguous, Alg. 1, refined, and two lower bounds (the simple outlier/mean bound and the counting bound).
+
+Intra-pool: one simulator run per case (``sim.run_simulation``, every GBS window unless --windows),
+Qwen3-30B-A3B attention (hq=32, hkv=4, d=128, bf16), P=8, H=1, M=4, tau=0.03, refined VRSP + Alg. 2,
+candidates uniform|adaptive tiling x group|prefix KV fetch, so the paper's uniform+group is in the same run:
+    max/mean   worker max/mean of Eq. 6 loads: mean over pools and the worst pool (target <= 1+tau+0.005)
+    tiles      SH-Tiles per pool; Q/KV/O GB remote bytes per pool per layer forward (exchange-plan totals)
+    step ms    the simulator's estimated step (per attention layer forward; its time model, not a measurement)
+    vs LB      estimated straggler over the perfectly balanced, communication-free lower bound
+--rules adds the splitting-rule comparison (prefix fetch): finer blocks (adaptive) vs more head shards
+(uniform H=2, H=4: every document split by heads, an upper bound on the tiles a per-document head split
+adds) vs both (adaptive at H=2).
+Traces: linux-6.12 ships in data/traces; wikipedia-flexsp is read through ``plan.traces.find_trace``
+(``$LIBRA_TRACE_DIR``, data/traces, or ../shared/data/traces beside the checkout).
 """
 from __future__ import annotations
 
@@ -21,27 +29,30 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from libra_megatron.config import SequencePlacement, TilePlacement, TokenLayoutKind  # noqa: E402
-from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
+from libra_megatron.config import KvFetch, SequencePlacement, TilingPolicy  # noqa: E402
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
-from libra_megatron.plan.placement import place_tiles  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences, pool_loads  # noqa: E402
-from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.plan.workload import (  # noqa: E402
     imbalance,
     pool_lower_bound,
     pool_lower_bound_counting,
     sequence_flops,
-    worker_lower_bound,
 )
+from libra_megatron.sim.cost import CostModel  # noqa: E402
+from libra_megatron.sim.runner import MODEL_PRESETS, ModelDims, SimSpec, run_simulation  # noqa: E402
 
-TRACES = ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt")
-SETTINGS = (  # name, L, GBS, CP, B, (hq, hkv, d)
-    ("256K", 256 * 1024, 128, 8, 4096, (128, 16, 256)),
-    ("1M", 1024 * 1024, 32, 16, 8192, (128, 4, 256)),
+LINUX, WIKI = "linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"
+TRACES = (LINUX, WIKI)
+INTER_SETTINGS = (("256K", 256 * 1024, 128), ("1M", 1024 * 1024, 32))  # name, L, GBS
+CASES = (  # name, trace, L, GBS, DP, CP, B
+    ("linux-256K", LINUX, 256 * 1024, 128, 32, 8, 4096),
+    ("linux-1M", LINUX, 1024 * 1024, 32, 16, 16, 4096),
+    ("linux-1M-B8192", LINUX, 1024 * 1024, 32, 16, 16, 8192),
+    ("wikipedia-256K", WIKI, 256 * 1024, 128, 32, 8, 4096),
+    ("wikipedia-1M", WIKI, 1024 * 1024, 32, 16, 16, 4096),
 )
-POOL_SIZE = 8
+POOL_SIZE, TAU, MODEL = 8, 0.03, "qwen3-30b-a3b"
 
 
 def pack(doc_lens, seq_len: int, seed: int = 1234):
@@ -61,57 +72,79 @@ def inter_pool(flops: np.ndarray, gbs: int):
     return {k: float(np.mean(v)) for k, v in rows.items()}
 
 
-def intra_pool(segs, flops, gbs, seq_len, cp, block, head_dims, max_windows):
-    layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
-    heads = HeadLayout(*head_dims, head_split=1, num_chunks=4, elem_bytes=2)
-    stats = {m: {"r": [], "fallback": 0, "bytes": [], "sec": 0.0} for m in ("home", "alg2", "refined")}
-    over_cap = num_pools = 0
-    bound = []
-    for w in range(min(flops.size // gbs, max_windows)):
-        order = w * gbs + place_sequences(flops[w * gbs : (w + 1) * gbs], POOL_SIZE)
-        for k in range(gbs // POOL_SIZE):
-            tiles = build_tiles([segs[i] for i in order[k * POOL_SIZE : (k + 1) * POOL_SIZE]], layout, heads, block)
-            num_pools += 1
-            for method in (TilePlacement.HOME, TilePlacement.ALG2, TilePlacement.REFINED):
-                start = time.perf_counter()
-                res = place_tiles(tiles, tau=0.03, method=method)
-                entry = stats[method.value]
-                entry["sec"] += time.perf_counter() - start
-                entry["r"].append(res.max_over_mean)
-                entry["fallback"] += res.num_fallback
-                entry["bytes"].append(res.total_comm_bytes)
-            over_cap += int(tiles.tile_flops().max() > res.capacity)
-            bound.append(worker_lower_bound(tiles.tile_flops(), tiles.num_workers) / res.loads.mean())
-    return stats, over_cap, num_pools, float(np.mean(bound))
+def print_inter(docs_by_trace) -> None:
+    print(f"inter-pool: P={POOL_SIZE}, megatron packing seed 1234, R-1 = max/mean - 1 of sum l^2, mean over windows")
+    print(f"{'trace':<12}{'L':>5}{'win':>5} | {'contig':>8}{'alg1':>8}{'refined':>9}{'LB':>8}{'LBcount':>9}")
+    for trace, docs in docs_by_trace.items():
+        for name, seq_len, gbs in INTER_SETTINGS:
+            flops = sequence_flops(pack(docs, seq_len))
+            r = inter_pool(flops, gbs)
+            print(f"{trace[:11]:<12}{name:>5}{flops.size // gbs:>5} | {r['contiguous']:>8.4f}{r['alg1']:>8.4f}"
+                  f"{r['refined']:>9.4f}{r['lb_simple']:>8.4f}{r['lb_counting']:>9.4f}")
+
+
+def case_spec(case, windows, head_splits=(1,), tilings=tuple(TilingPolicy), fetches=(KvFetch.GROUP, KvFetch.PREFIX)):
+    _, _, seq_len, gbs, dp, cp, block = case
+    hq, hkv, d = MODEL_PRESETS[MODEL]
+    return SimSpec(seq_len=seq_len, global_batch_size=gbs, data_parallel_size=dp, context_parallel_size=cp,
+                   pool_sizes=(POOL_SIZE,), head_splits=tuple(head_splits), block_sizes=(block,),
+                   dims=ModelDims(hq, hkv, d, 2), cost=CostModel(head_dim=d, num_chunks=4), taus=(TAU,),
+                   tilings=tuple(tilings), kv_fetches=tuple(fetches), max_windows=windows, distca=False,
+                   memory_limit_gib=8.0)
+
+
+def _row(cand, base) -> str:
+    b = cand["bytes_per_layer"]
+    kv_vs = b["kv"] / base["bytes_per_layer"]["kv"] - 1 if base["bytes_per_layer"]["kv"] else 0.0
+    return (f"{cand['head_split']:>3} {cand['tiling']:<9}{cand['kv_fetch']:<7}{1 + cand['intra_pool_imbalance']:>8.4f}"
+            f"{1 + cand['intra_pool_imbalance_max']:>8.4f}{cand['num_tiles']:>7}{b['q'] / 1e9:>8.2f}{b['kv'] / 1e9:>8.2f}"
+            f"{b['o'] / 1e9:>8.2f}{kv_vs:>+9.1%}{cand['estimated_step_seconds'] * 1e3:>9.2f}"
+            f"{cand['straggler_vs_lower_bound']:>7.3f}")
+
+
+HEADER = (f"{'H':>3} {'tiling':<9}{'fetch':<7}{'mm mean':>8}{'mm max':>8}{'tiles':>7}{'Q GB':>8}{'KV GB':>8}"
+          f"{'O GB':>8}{'KV vs pg':>9}{'step ms':>9}{'vs LB':>7}")
+
+
+def print_case(case, report, seconds: float) -> None:
+    name = case[0]
+    base = next(c for c in report["candidates"] if (c["tiling"], c["kv_fetch"]) == ("uniform", "group")
+                and c["head_split"] == 1)
+    print(f"\n{name}: L={case[2]} GBS={case[3]} DP={case[4]} CP={case[5]} B={case[6]}, {report['num_windows']} windows, "
+          f"{seconds:.0f} s  (pg = paper: uniform tiles + group fetch, H=1)")
+    print(HEADER)
+    for cand in report["candidates"]:
+        print(_row(cand, base))
+    ours = [c for c in report["candidates"] if (c["tiling"], c["kv_fetch"], c["head_split"]) == ("adaptive", "prefix", 1)]
+    if ours:
+        worst = 1 + ours[0]["intra_pool_imbalance_max"]
+        print(f"  adaptive+prefix worst pool max/mean {worst:.4f} (target <= {1 + TAU + 0.005:.3f}: "
+              f"{'met' if worst <= 1 + TAU + 0.005 + 1e-12 else 'NOT met'}); KV "
+              f"{ours[0]['bytes_per_layer']['kv'] / base['bytes_per_layer']['kv'] - 1:+.1%} vs paper")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=1000, help="max GBS windows for the intra-pool part")
+    parser.add_argument("--windows", type=int, default=None, help="max GBS windows for the intra-pool part (default all)")
+    parser.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
+    parser.add_argument("--rules", action="store_true", help="also compare splitting rules (blocks vs head shards)")
+    parser.add_argument("--skip-inter", action="store_true", help="skip the inter-pool table")
+    parser.add_argument("--jobs", type=int, default=1, help="simulate windows in N processes")
     args = parser.parse_args()
-    print(f"P={POOL_SIZE}, tau=0.03, H=1, zigzag, megatron packing seed 1234")
-    print(f"{'trace':<12}{'L':>5}{'win':>5} | R-1 mean: {'contig':>8}{'alg1':>8}{'refined':>9}"
-          f"{'LB':>8}{'LBcount':>9}")
-    intra_rows = []
-    for trace in TRACES:
-        docs = load_trace(find_trace(trace))
-        for name, seq_len, gbs, cp, block, head_dims in SETTINGS:
-            segs = pack(docs, seq_len)
-            flops = sequence_flops(segs)
-            r = inter_pool(flops, gbs)
-            print(f"{trace[:11]:<12}{name:>5}{flops.size // gbs:>5} | {'':9}{r['contiguous']:>8.4f}{r['alg1']:>8.4f}"
-                  f"{r['refined']:>9.4f}{r['lb_simple']:>8.4f}{r['lb_counting']:>9.4f}")
-            intra_rows.append((trace[:11], name, *intra_pool(segs, flops, gbs, seq_len, cp, block, head_dims, args.windows)))
-    print("\nintra-pool worker max/mean (mean, max over pools); LB = mean of max(sum/W, max tile)/mean;")
-    print("f>C = pools where one tile exceeds C; fallbk = tiles placed by the fallback; GB = remote bytes/pool/layer")
-    print(f"{'trace':<12}{'L':>5}{'pools':>6}{'f>C':>5}{'LB':>8} | {'method':<8}{'mean':>8}{'max':>8}{'fallbk':>8}"
-          f"{'GB':>9}{'ms':>8}")
-    for trace, name, stats, over_cap, num_pools, bound in intra_rows:
-        for method, entry in stats.items():
-            r = np.array(entry["r"])
-            print(f"{trace:<12}{name:>5}{num_pools:>6}{over_cap:>5}{bound:>8.4f} | {method:<8}{r.mean():>8.4f}"
-                  f"{r.max():>8.4f}{entry['fallback']:>8}{np.mean(entry['bytes']) / 2**30:>9.1f}"
-                  f"{entry['sec'] / num_pools * 1e3:>8.2f}")
+    docs_by_trace = {t: load_trace(find_trace(t)) for t in TRACES}
+    if not args.skip_inter:
+        print_inter(docs_by_trace)
+    print(f"\nintra-pool: {MODEL} heads, bf16, P={POOL_SIZE}, M=4, tau={TAU}, refined VRSP + Alg. 2; per pool per "
+          "layer fwd; mm = worker max/mean (Eq. 6)")
+    for case in (c for c in CASES if c[0] in args.cases):
+        start = time.perf_counter()
+        spec = case_spec(case, args.windows, head_splits=(1, 2, 4) if args.rules else (1,))
+        report = run_simulation(docs_by_trace[case[1]], spec, jobs=args.jobs).to_json()
+        if args.rules:  # rules: prefix fetch only, and adaptive at H=4 adds nothing over H=2
+            report["candidates"] = [c for c in report["candidates"] if c["kv_fetch"] == "prefix"
+                                    and not (c["head_split"] == 4 and c["tiling"] == "adaptive")
+                                    or (c["head_split"], c["tiling"], c["kv_fetch"]) == (1, "uniform", "group")]
+        print_case(case, report, time.perf_counter() - start)
 
 
 if __name__ == "__main__":

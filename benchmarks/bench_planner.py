@@ -1,12 +1,15 @@
 """Planner latency on this machine vs the budgets of the issue (medians over real-trace pools).
 
-Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R]
+Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R] [--cpu] [--modes paper ours]
 
 Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
-Megatron-style): build_tiles, place_tiles(ALG2), build_exchange_plan (if present) -- one pool's TAP plan.
+Megatron-style), for the paper's tiles (uniform blocks, whole-group KV fetch) and ours (adaptive blocks,
+prefix fetch): build_tiles, place_tiles(ALG2), build_exchange_plan, and the per-rank plan a rank waits for
+(its RankPlan, the slowest of 8 ranks spread over the pool) -- what one rank needs before its first step.
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
+  1M:   CP=16, B=4096, H=1, Qwen3-30B-A3B hq=32 hkv=4 d=128 (the shipped 1M config)  budget 50 ms
 VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
 """
 from __future__ import annotations
@@ -23,17 +26,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_balance import pack  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
-from libra_megatron.config import SequencePlacement, TilePlacement, TokenLayoutKind  # noqa: E402
+from libra_megatron.config import KvFetch, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
 from libra_megatron.plan.placement import place_tiles  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
 from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 
-try:
-    from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
-except ImportError:
-    build_exchange_plan = None
+from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
 
 POOL_SIZE = 8
 CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
@@ -42,7 +42,10 @@ CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
     ("1M H=2", 1024 * 1024, 16, 8192, 2, (128, 4, 256), 50.0),
     ("1M H=4", 1024 * 1024, 16, 8192, 4, (128, 4, 256), 50.0),
     ("1M H=4 q8b", 1024 * 1024, 16, 8192, 4, (32, 8, 128), 50.0),  # Qwen3-8B heads
+    ("1M q30b", 1024 * 1024, 16, 4096, 1, (32, 4, 128), 50.0),  # Qwen3-30B-A3B, configs/libra/1m.yaml
 )
+MODES = {"paper": (TilingPolicy.UNIFORM, KvFetch.GROUP), "ours": (TilingPolicy.ADAPTIVE, KvFetch.PREFIX)}
+RANK_SAMPLES = 8  # ranks per pool whose RankPlan is timed; the slowest counts (every rank waits for its own)
 
 
 CLOCK = time.perf_counter  # --cpu switches to time.process_time (robust when the 2 cores are shared)
@@ -65,24 +68,34 @@ def pools_of(segs, num_pools):
     return out[:num_pools]
 
 
-def bench_case(segs_by_trace, case, num_pools, reps):
+def _rank_plan_ms(plan, num_workers: int) -> float:
+    """Slowest RankPlan materialisation among ``RANK_SAMPLES`` ranks spread over the pool (ms)."""
+    return max(timed(plan.ranks.__getitem__, r)[1] for r in range(0, num_workers, max(1, num_workers // RANK_SAMPLES)))
+
+
+def bench_case(segs_by_trace, case, num_pools, reps, mode):
     name, seq_len, cp, block, H, head_dims, budget = case
+    tiling, kv_fetch = MODES[mode]
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=4, elem_bytes=2)
     for trace, segs in segs_by_trace.items():
-        times = {"build": [], "place": [], "exchange": [], "tiles": []}
+        times = {"build": [], "place": [], "exchange": [], "rank": [], "tiles": []}
         for pool in pools_of(segs[seq_len], num_pools):
             for _ in range(reps):
-                tiles, t_build = timed(build_tiles, pool, layout, heads, block)
+                tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=0.03,
+                                       kv_fetch=kv_fetch)
                 result, t_place = timed(place_tiles, tiles, 0.03, TilePlacement.ALG2)
-                t_ex = timed(build_exchange_plan, tiles, result.assignment)[1] if build_exchange_plan else float("nan")
-                for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("tiles", tiles.num_tiles)):
+                plan, t_ex = timed(build_exchange_plan, tiles, result.assignment)
+                t_rank = _rank_plan_ms(plan, tiles.num_workers)
+                for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
+                                 ("tiles", tiles.num_tiles)):
                     times[key].append(val)
         med = {k: float(np.median(v)) for k, v in times.items()}
-        total = med["build"] + med["place"] + (0.0 if np.isnan(med["exchange"]) else med["exchange"])
-        print(f"{name:<11}{trace:<10}{int(med['tiles']):>6}{med['build']:>9.2f}{med['place']:>9.2f}"
-              f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>9.2f}{total:>9.2f}{budget:>8.0f}"
-              f"{med['place'] / budget:>8.2f}{'  OK' if total <= budget else '  OVER'}")
+        total = med["build"] + med["place"] + med["exchange"] + med["rank"]
+        print(f"{name:<11}{mode:<6}{trace:<10}{int(med['tiles']):>6}{med['build']:>8.2f}{med['place']:>8.2f}"
+              f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>8.2f}{med['rank']:>8.2f}"
+              f"{np.percentile(times['rank'], 90):>8.2f}{total:>8.2f}{budget:>7.0f}{total / budget:>7.2f}"
+              f"{'  OK' if total <= budget else '  OVER'}")
 
 
 def bench_vrsp(flops, reps):
@@ -99,6 +112,8 @@ def main() -> None:
     parser.add_argument("--pools", type=int, default=8, help="pools per trace and case")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall clock")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                        help="paper: uniform tiles + group fetch; ours: adaptive tiles + prefix fetch (the defaults)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu else time.perf_counter
@@ -107,11 +122,12 @@ def main() -> None:
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         docs = load_trace(find_trace(trace))
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
-    print(f"exchange plan: {'build_exchange_plan' if build_exchange_plan else 'not available (nan)'}")
-    print(f"{'case':<11}{'trace':<10}{'tiles':>6}{'build':>9}{'place':>9}{'place90':>9}{'exch':>9}"
-          f"{'total':>9}{'budget':>8}{'pl/bud':>8}   (ms, medians)")
+    print(f"{'case':<11}{'mode':<6}{'trace':<10}{'tiles':>6}{'build':>8}{'place':>8}{'place90':>9}{'exch':>8}"
+          f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}   (ms, medians; rank = slowest of "
+          f"{RANK_SAMPLES} ranks' RankPlan; total = build + place + exch + rank)")
     for case in CASES:
-        bench_case(segs_by_trace, case, args.pools, args.reps)
+        for mode in args.modes:
+            bench_case(segs_by_trace, case, args.pools, args.reps, mode)
     bench_vrsp(sequence_flops(segs_by_trace["linux"][256 * 1024]), 20 * args.reps)
 
 

@@ -240,6 +240,13 @@ class LibraConfig:
                 f"{self._short('num_chunks')}) = {hq}/({self.head_split}*{self.num_chunks}) = {piece} "
                 f"must be a multiple or a divisor of the GQA group size {hq}/{hkv} = {group}"
             )
+        H = self.head_split
+        if H % hkv and hkv % H:
+            raise ValueError(
+                f"{self._short('head_split')} {H} and num_query_groups {hkv}: one must divide the other "
+                f"({H} % {hkv} = {H % hkv}, {hkv} % {H} = {hkv % H}), so that a head shard covers whole kv heads "
+                f"or lies inside one"
+            )
 
     def _validate_batch(self, gbs: int, dp: int, mbs: int) -> None:
         if gbs % (dp * mbs):

@@ -63,6 +63,8 @@ def test_standalone_errors(kwargs, pattern):
         (dict(head_split=4, num_chunks=16), {}, r"--libra-num-chunks \(num_chunks\) 16 must divide num_attention_heads/--libra-head-split = 32/4 = 8"),
         (dict(head_split=3, num_chunks=2), dict(num_attention_heads=12, num_query_groups=4, data_parallel_size=8),
          r"query heads per chunk piece .* = 12/\(3\*2\) = 2 must be a multiple or a divisor of the GQA group size 12/4 = 3"),
+        (dict(head_split=4, num_chunks=3), dict(num_attention_heads=24, num_query_groups=6),
+         r"head-split 4 and num_query_groups 6: one must divide the other \(4 % 6 = 4, 6 % 4 = 2\)"),
         ({}, dict(micro_batch_size=2), r"--micro-batch-size 1"),
         ({}, dict(seq_length=4094), r"--seq-length 4094 must be divisible by 4 CP chunks"),
         (dict(pool_size=8), dict(global_batch_size=68), r"--global-batch-size 68 must be divisible by DP\*mbs = 8\*1"),

@@ -61,7 +61,7 @@ class _Static:
     every other worker costs ``worst`` unless a shared group of the tile is selected there (a *saver*).
     A doc inside one block is *private*: its groups are referenced by one tile only, so C_r never holds
     them when that tile is scored. Only *shared* docs (at most the first and last fragment of a block)
-    need residency tracking.
+    need residency tracking -- unless several shards share a KV class (H > hkv): then all docs do.
     """
 
     homes: List[int]
@@ -69,11 +69,12 @@ class _Static:
     worst: List[int]  # Eq. 8 of a worker that is not the home and holds nothing: sum_g e_g * v + V_Q + V_O
     groups: List[List[Tuple[int, List[int]]]]  # candidates grouped by equal cost: ascending cost, then id
     cost: Dict[int, int]  # block * W + candidate -> its Eq. 8 cost, residency aside
-    shared_ends: List[tuple]  # per block: ((doc*H, doc*W, kv end), ...) of its shared docs
+    shared_ends: List[tuple]  # per block: ((doc*G, doc*W, kv end), ...) of its shared docs
     held_runs: Dict[int, tuple]  # shared doc * W + worker -> ((first row, end row), ...) it holds
     holders: Dict[int, List[int]]  # shared doc * W -> the workers holding rows of it
     all_shared_groups: List[int]  # every shared group id
     kv_bytes_per_row: int
+    class_of_shard: List[int]  # KV class of head shard h (group of a tile = doc * G + its class)
 
 
 def _block_held_rows(tiles: TileSet) -> np.ndarray:
@@ -112,13 +113,13 @@ def _candidate_groups(tiles: TileSet, key: np.ndarray, cost: np.ndarray):
 
 
 def _shared_ends(tiles: TileSet, is_shared: np.ndarray) -> List[tuple]:
-    """Per block: (doc*H, doc*W, kv end) of its first and/or last fragment when that doc is shared."""
-    W, H = tiles.num_workers, tiles.head_split
+    """Per block: (doc*G, doc*W, kv end) of its first and/or last fragment when that doc is shared."""
+    W, G = tiles.num_workers, tiles.num_kv_classes
     first_frag, last_frag = tiles.frag_ptr[:-1], tiles.frag_ptr[1:] - 1
     columns = []
     for frag in (first_frag, last_frag):
         s = tiles.frag_doc[frag]
-        columns += [(s * H).tolist(), (s * W).tolist(), tiles.frag_kv_end[frag].tolist()]
+        columns += [(s * G).tolist(), (s * W).tolist(), tiles.frag_kv_end[frag].tolist()]
     use_first = is_shared[tiles.frag_doc[first_frag]].tolist()
     use_last = (is_shared[tiles.frag_doc[last_frag]] & (last_frag != first_frag)).tolist()
     out = []
@@ -126,6 +127,15 @@ def _shared_ends(tiles: TileSet, is_shared: np.ndarray) -> List[tuple]:
         out.append(((ga, ka, ea), (gb, kb, eb)) if ua and ue else ((ga, ka, ea),) if ua else
                    ((gb, kb, eb),) if ue else ())
     return out
+
+
+def _all_ends(tiles: TileSet) -> List[tuple]:
+    """Per block: (doc*G, doc*W, kv end) of every fragment (when shards share a KV class, H > G, the H/G
+    tiles of one block reference each of its groups, so every group needs residency tracking)."""
+    W, G = tiles.num_workers, tiles.num_kv_classes
+    rows = list(zip((tiles.frag_doc * G).tolist(), (tiles.frag_doc * W).tolist(), tiles.frag_kv_end.tolist()))
+    ptr = tiles.frag_ptr.tolist()
+    return [tuple(rows[ptr[b] : ptr[b + 1]]) for b in range(tiles.num_blocks)]
 
 
 def _held_runs(tiles: TileSet, is_shared: np.ndarray):
@@ -144,18 +154,22 @@ def _held_runs(tiles: TileSet, is_shared: np.ndarray):
 
 
 def _static_data(tiles: TileSet) -> _Static:
-    kvb, H = tiles.heads.kv_bytes_per_token(), tiles.head_split
+    kvb, G = tiles.heads.kv_bytes_per_token(), tiles.num_kv_classes
     full = np.add.reduceat(tiles.frag_kv_end, tiles.frag_ptr[:-1]) * kvb
     qo = 2 * (tiles.block_end - tiles.block_start) * tiles.heads.q_bytes_per_token()
-    is_shared = np.bincount(tiles.frag_doc, minlength=tiles.num_docs) > 1
+    classes_shared = tiles.head_split > G
+    if classes_shared:
+        is_shared = np.ones(tiles.num_docs, dtype=bool)
+    else:
+        is_shared = np.bincount(tiles.frag_doc, minlength=tiles.num_docs) > 1
     key, cost = _candidate_rows(tiles, qo, full)
     runs, holders = _held_runs(tiles, is_shared)
     return _Static(
         homes=tiles.block_home.tolist(), qo_bytes=qo.tolist(), worst=(full + qo).tolist(),
         groups=_candidate_groups(tiles, key, cost), cost=dict(zip(key.tolist(), cost.tolist())),
-        shared_ends=_shared_ends(tiles, is_shared), held_runs=runs, holders=holders,
-        all_shared_groups=(np.flatnonzero(is_shared)[:, None] * H + np.arange(H)).reshape(-1).tolist(),
-        kv_bytes_per_row=kvb,
+        shared_ends=_all_ends(tiles) if classes_shared else _shared_ends(tiles, is_shared), held_runs=runs,
+        holders=holders, all_shared_groups=(np.flatnonzero(is_shared)[:, None] * G + np.arange(G)).reshape(-1).tolist(),
+        kv_bytes_per_row=kvb, class_of_shard=tiles.heads.kv_class_of_shard().tolist(),
     )
 
 
@@ -216,14 +230,14 @@ class _Greedy:
                     part[w] = x * kvb
         return part
 
-    def savings(self, ends: tuple, head: int) -> Optional[Dict[int, int]]:
+    def savings(self, ends: tuple, klass: int) -> Optional[Dict[int, int]]:
         """worker -> Eq. 8 bytes it saves on this tile because prefixes of its shared groups are in C_r:
         the rows of [0, min(p, e)) it does not hold (only positive savings are listed; read-only)."""
         out = None
         for base, doc_key, end in ends:
-            if not self.prefix[base + head]:
+            if not self.prefix[base + klass]:
                 continue
-            part = self._group_savings(base + head, doc_key, end)
+            part = self._group_savings(base + klass, doc_key, end)
             if out is None:
                 out = part
             elif part:
@@ -232,12 +246,12 @@ class _Greedy:
                     out[w] = out.get(w, 0) + saved
         return out
 
-    def select(self, ends: tuple, head: int, worker: int) -> None:
+    def select(self, ends: tuple, klass: int, worker: int) -> None:
         """C_worker |= the tile's prefixes of shared groups (Algorithm 2 line 12); a prefix the worker
         holds completely can never save anything and is not recorded."""
         runs, kvb = self.st.held_runs, self.st.kv_bytes_per_row
         for base, doc_key, end in ends:
-            group = base + head
+            group = base + klass
             prefix = self.prefix[group]
             if end <= prefix.get(worker, 0):
                 continue
@@ -265,7 +279,8 @@ class _Greedy:
         loads, heap, cap = self.loads, self.heap, self.cap
         cost_of, offset, worst = st.cost, block * W, st.worst[block]
         for head in range(H) if head_shards is None else head_shards:
-            savings = self.savings(ends, head) if ends else None
+            klass = st.class_of_shard[head]
+            savings = self.savings(ends, klass) if ends else None
             best = None
             if savings and len(savings) > _FEW_RESIDENTS:
                 best = self._best_saver_by_load(block, savings, f)
@@ -294,7 +309,7 @@ class _Greedy:
                 self.qo_bytes += st.qo_bytes[block]
                 self.kv_bytes += cost - st.qo_bytes[block]
             if ends:
-                self.select(ends, head, worker)
+                self.select(ends, klass, worker)
 
     def _best_of(self, block: int, savings: Dict[int, int], f: int):
         """Feasible argmin (dcomm, L, r) over the workers of ``savings``, each scored directly."""

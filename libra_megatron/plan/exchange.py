@@ -2,12 +2,16 @@
 
 SCHEMA (owned here; the runtime imports only these records):
 
-Units. All routes move *units*. A Q unit (and a KV unit) is ``local_token * H + h``: one token of the
-rank's local buffer on head shard h. The runtime maps a unit to a row of the tensor view of chunk m
-with ``HeadLayout``-derived formulas (see ``q_rows`` / ``kv_rows``):
-    q  (t, hq, d)  viewed as (t*H*M, q_piece, d):           row = unit*M + m
-    k/v (t, hkv, d) viewed as (t*kv_runs, kv_piece, d):   row = (unit//H)*kv_pieces + kv_piece_index[unit%H, m]
-So every chunk moves the same units; chunk m carries the m-th head piece of every tile (§4.4).
+Units. All routes move *units*. A Q unit is ``local_token * H + h``: one token of the rank's local buffer
+on head shard h. A KV unit is ``local_token * G + c``: one token on KV class c (``HeadLayout``: the kv heads
+a shard reads; G = min(H, hkv), c = h when H <= hkv). The runtime maps a unit to a row of the tensor view
+of chunk m with ``HeadLayout``-derived formulas (see ``q_rows`` / ``kv_rows``):
+    q  (t, hq, d)  viewed as (t*H*M, q_piece, d):          row = unit*M + m
+    k/v (t, hkv, d) viewed as (t*kv_pieces, kv_piece, d):  row = (unit//G)*kv_pieces + kv_piece_of_class[unit%G, m]
+So every chunk moves the same units; chunk m carries the m-th head piece of every tile (§4.4). K/V go
+once per step: only the chunks in ``heads.kv_send_chunks()`` run the KV route; a chunk that reads the same
+kv piece as the chunk before it reuses that chunk's arranged K/V, and the inverse KV route runs at the
+``heads.kv_return_chunks()`` with dK/dV summed over the chunks that shared the piece.
 
 Route. One all_to_all pattern seen from one rank (see ``Route``). Forward routes gather from the local
 buffer, exchange, and *place* into an arranged buffer (a permutation). ``Route.inverse()`` is the
@@ -15,7 +19,7 @@ backward route: it gathers from the arranged buffer and *accumulates* into the l
 which sums dK/dV fragments fetched by several destinations.
 
 RankPlan. What one rank executes: its Q route (Q dispatch; inverse = O return, dQ return), its KV route
-(KV fetch, deduplicated per (doc, head shard, destination); inverse = dK/dV return) and the varlen
+(KV fetch, deduplicated per (doc, KV class, destination); inverse = dK/dV return) and the varlen
 metadata of the tiles it hosts, over its arranged buffers.
 
 ExchangePlan. The pool-wide plan: one RankPlan per worker, the tile assignment it realises, byte totals
@@ -43,10 +47,11 @@ def q_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
 
 
 def kv_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
-    """Rows of the chunk view (t*kv_runs, kv_piece, d) of a local K/V buffer for the given units."""
+    """Rows of the chunk view (t*kv_pieces, kv_piece, d) of a local K/V buffer for the given KV units."""
     units = np.asarray(units, dtype=np.int64)
-    piece = heads.kv_piece_index()[units % heads.head_split, chunk]
-    return (units // heads.head_split) * heads.kv_pieces_per_token + piece
+    G = heads.num_kv_classes
+    piece = heads.kv_piece_of_class()[units % G, chunk]
+    return (units // G) * heads.kv_pieces_per_token + piece
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +99,7 @@ class RankPlan:
     """Everything rank ``rank`` of the pool needs to run ``libra_attn_func`` for one pool instance.
 
     Arranged buffers (destination side): ``q_route.target_len`` Q units in hosted-tile order and
-    ``kv_route.target_len`` KV units, every fetched KV group contiguous in doc order.
+    ``kv_route.target_len`` KV units, every fetched KV group (doc, class) contiguous in doc order.
     Varlen batch over the hosted tiles (one entry per (tile run, doc fragment)):
         cu_seqlens_q  int64 [n_seqs+1]  query rows [cu_q[i], cu_q[i+1]) of the arranged Q buffer
         seq_kv_offset int64 [n_seqs]    first arranged-KV row of the doc's group (doc position 0)
@@ -150,8 +155,8 @@ class ExchangePlan:
 
 
 # ====================================================================================== builder
-# A *run* moves ``count`` units of one source worker, starting at unit ``src_start`` with stride H
-# (consecutive local tokens on one head shard), into rows [tgt_start, tgt_start+count) of the arranged
+# A *run* moves ``count`` units of one source worker, starting at unit ``src_start`` with stride H (Q) or
+# G (KV) (consecutive local tokens on one head shard or KV class), into rows [tgt_start, tgt_start+count) of the arranged
 # buffer of worker ``dst``. Q runs are whole tiles; KV runs are (referenced group, home fragment)
 # pairs. The pool-wide run tables are small (O(tiles + groups*homes)); the per-rank unit arrays are
 # materialised from them on first access (one rank usually needs only its own RankPlan).
@@ -159,7 +164,7 @@ class ExchangePlan:
 
 @dataclass(frozen=True, eq=False)
 class _UnitRuns:
-    """Pool-wide table of unit runs, int64 arrays of equal length, stride = head_split for every run."""
+    """Pool-wide table of unit runs, int64 arrays of equal length; one stride (H for Q, G for KV) for all."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -258,23 +263,29 @@ def _home_local_starts(tiles) -> np.ndarray:
 def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.ndarray):
     """KV runs (deduplicated per (group, destination), rows [0, largest kv_end of the destination's tiles)),
     KV target lengths per destination, merged varlen entries, and the referenced pairs as int64
-    [5, n_pairs] rows (dst, h, doc, arranged KV offset, prefix length)."""
-    H, W, S = tiles.head_split, tiles.num_workers, tiles.num_docs
+    [5, n_pairs] rows (dst, KV class, doc, arranged KV offset, prefix length), sorted by (dst, class, doc)."""
+    H, G, W, S = tiles.head_split, tiles.num_kv_classes, tiles.num_workers, tiles.num_docs
     ent = _fragment_entries(tiles, order)
     it = ent["entry_tile"]
     dst = assignment[order][it]
     doc, head = ent["doc"], ent["head"]
-    key = (dst * H + head) * S + doc  # non-decreasing in hosted order
-    new_pair = np.ones(key.size, dtype=bool)
-    new_pair[1:] = key[1:] != key[:-1]
-    pair_dst, pair_head, pair_doc = dst[new_pair], head[new_pair], doc[new_pair]
-    pair_len = np.maximum.reduceat(ent["kv_end"], np.flatnonzero(new_pair)) if key.size else key
+    klass = tiles.heads.kv_class_of_shard()[head]
+    group_key = (dst * G + klass) * S + doc  # shards of one KV class share the group (H > hkv)
+    perm = np.argsort(group_key, kind="stable")
+    sorted_key = group_key[perm]
+    new_pair = np.ones(sorted_key.size, dtype=bool)
+    new_pair[1:] = sorted_key[1:] != sorted_key[:-1]
+    first = perm[new_pair]
+    pair_dst, pair_class, pair_doc = dst[first], klass[first], doc[first]
+    pair_len = np.maximum.reduceat(ent["kv_end"][perm], np.flatnonzero(new_pair)) if perm.size else perm
     pair_off = _segment_starts(pair_dst, pair_len, W)
-    entry_pair = np.cumsum(new_pair) - 1
+    entry_pair = np.empty(perm.size, dtype=np.int64)
+    entry_pair[perm] = np.cumsum(new_pair) - 1
+    key = (dst * H + head) * S + doc  # non-decreasing in hosted order
     varlen = _merge_entries(dst, key, ent["a"], ent["e"], q_tgt[it] + ent["row_in_block"], pair_off[entry_pair], W)
-    kv = _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off, pair_len)
+    kv = _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len)
     kv_len = np.bincount(pair_dst, weights=pair_len, minlength=W).astype(np.int64)
-    pairs = np.stack([pair_dst, pair_head, pair_doc, pair_off, pair_len])
+    pairs = np.stack([pair_dst, pair_class, pair_doc, pair_off, pair_len])
     return kv, kv_len, varlen, pairs
 
 
@@ -290,13 +301,14 @@ def _merge_entries(dst, key, a, e, q_start, kv_off, num_workers: int) -> _Varlen
     return _Varlen(dst_ptr=dst_ptr, q_start=q_start[idx], q_len=q_len, kv_offset=kv_off[idx], k_len=e[last])
 
 
-def _kv_runs(tiles, pair_dst, pair_head, pair_doc, pair_off, pair_len) -> _UnitRuns:
-    """Expand every referenced (group, destination) pair into the doc's home runs clipped to its prefix."""
-    H = tiles.head_split
+def _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len) -> _UnitRuns:
+    """Expand every referenced (group, destination) pair into the doc's home runs clipped to its prefix
+    (KV units: local token * G + class, so a KV run's stride is G)."""
+    G = tiles.num_kv_classes
     pair, home, count = home_runs_in_prefix(tiles, pair_doc, pair_len)
     return _UnitRuns(
         src=tiles.doc_home_worker[home], dst=pair_dst[pair],
-        src_start=_home_local_starts(tiles)[home] * H + pair_head[pair],
+        src_start=_home_local_starts(tiles)[home] * G + pair_class[pair],
         count=count, tgt_start=pair_off[pair] + tiles.doc_home_offset[home],
     )
 
@@ -360,14 +372,13 @@ class _PlanTables:
     fingerprint: str
 
     def rank_plan(self, rank: int) -> RankPlan:
-        H = self.heads.head_split
-        src_len = self.local_tokens * H
+        H, G = self.heads.head_split, self.heads.num_kv_classes
         v, lo, hi = self.varlen, self.varlen.dst_ptr[rank], self.varlen.dst_ptr[rank + 1]
         cu = np.concatenate([v.q_start[lo:hi], [self.q_len[rank]]]) if hi > lo else np.zeros(1, np.int64)
         return RankPlan(
             rank=rank, num_workers=self.q.num_workers, local_tokens=self.local_tokens, heads=self.heads,
-            q_route=self.q.route(rank, H, src_len, self.q_len[rank]),
-            kv_route=self.kv.route(rank, H, src_len, self.kv_len[rank]),
+            q_route=self.q.route(rank, H, self.local_tokens * H, self.q_len[rank]),
+            kv_route=self.kv.route(rank, G, self.local_tokens * G, self.kv_len[rank]),
             cu_seqlens_q=_frozen(cu), seq_kv_offset=_frozen(v.kv_offset[lo:hi]), seq_k_len=_frozen(v.k_len[lo:hi]),
             fingerprint=self.fingerprint, bytes_sent=tuple(int(b) for b in self.bytes_sent[rank]),
         )

@@ -50,7 +50,7 @@ def held_rows(tiles, docs, workers, ends) -> np.ndarray:
 class FetchedGroups:
     """Distinct (group, destination) pairs of an assignment, sorted by ``group * W + dst``.
 
-    group, dst  int64 [n]   KV group id (doc * H + h) and the destination worker
+    group, dst  int64 [n]   KV group id (doc * G + KV class) and the destination worker
     end         int64 [n]   rows [0, end) of the group the destination needs (max kv_end of its tiles)
     remote      int64 [n]   rows of those it does not hold (what it receives)
     """
@@ -67,14 +67,14 @@ class FetchedGroups:
 def fetched_groups(tiles, assignment) -> FetchedGroups:
     """Every KV group a destination of ``assignment`` fetches, deduplicated, with its prefix (Eq. 7)."""
     assignment = np.asarray(assignment, dtype=np.int64)
-    H, W = tiles.head_split, tiles.num_workers
+    H, G, W = tiles.head_split, tiles.num_kv_classes, tiles.num_workers
     frag_block = np.repeat(np.arange(tiles.num_blocks, dtype=np.int64), np.diff(tiles.frag_ptr))
     dst = assignment[(frag_block[:, None] * H + np.arange(H)[None, :]).reshape(-1)]
-    group = (tiles.frag_doc[:, None] * H + np.arange(H)[None, :]).reshape(-1)
+    group = (tiles.frag_doc[:, None] * G + tiles.heads.kv_class_of_shard()[None, :]).reshape(-1)
     kv_end = np.repeat(tiles.frag_kv_end, H)
     keys, inverse = np.unique(group * W + dst, return_inverse=True)
     end = np.zeros(keys.size, dtype=np.int64)
     np.maximum.at(end, inverse.reshape(-1), kv_end)
     group, dst = np.divmod(keys, W)
-    remote = end - held_rows(tiles, group // H, dst, end)
+    remote = end - held_rows(tiles, group // G, dst, end)
     return FetchedGroups(group=group, dst=dst, end=end, remote=remote)

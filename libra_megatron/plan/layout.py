@@ -107,6 +107,13 @@ class HeadLayout:
     ``q_piece = hq/(H*M)`` query heads. Query head i reads kv head floor(i*hkv/hq). The kv heads a piece
     reads form one aligned run of ``kv_piece`` heads: ``q_piece/group`` when the GQA group divides the
     piece, else 1 (the piece lies inside one kv head, which several pieces then share).
+
+    KV classes. A shard covers whole kv heads (H | hkv: hkv/H of them) or lies inside one (hkv | H: H/hkv
+    shards share it); other splits are rejected. The G = min(H, hkv) *KV classes* are the disjoint sets of
+    kv heads the shards read: class c = shard c when H <= hkv, else kv head c. K/V travel per class, once:
+    a KV unit is ``local_token*G + c`` and a KV group is (document, class), whichever shards and chunks
+    read it. Within a step each kv piece is fetched by the first chunk that reads it (``kv_send_chunks``)
+    and reused by the following ones; its dK/dV is summed until the last one (``kv_return_chunks``).
     """
 
     num_q_heads: int
@@ -125,6 +132,9 @@ class HeadLayout:
         piece, group = hq // (H * M), hq // hkv
         if piece % group and group % piece:
             raise PlanError(f"HeadLayout: q piece {piece} must be a multiple or divisor of GQA group {group}")
+        if H % hkv and hkv % H:
+            raise PlanError(f"HeadLayout: head shards H={H} and kv heads hkv={hkv}: one must divide the other "
+                            f"(a shard covers whole kv heads or lies inside one)")
 
     @property
     def q_heads_per_shard(self) -> int:
@@ -148,6 +158,11 @@ class HeadLayout:
     def kv_pieces_per_token(self) -> int:
         return self.num_kv_heads // self.kv_piece
 
+    @property
+    def num_kv_classes(self) -> int:
+        """G = min(H, hkv): KV classes (see the class docstring)."""
+        return min(self.head_split, self.num_kv_heads)
+
     def kv_piece_index(self) -> np.ndarray:
         """int64 [H, M]: index of the kv piece (in units of ``kv_piece`` heads) read by chunk m of shard h."""
         h = np.arange(self.head_split)[:, None]
@@ -155,9 +170,31 @@ class HeadLayout:
         first_q = h * self.q_heads_per_shard + m * self.q_piece
         return ((first_q // self.group) // self.kv_piece).astype(np.int64)
 
-    def kv_heads_per_shard(self) -> int:
-        """Distinct kv heads one head shard reads (hkv/H when H <= hkv, else 1)."""
-        return max(1, self.num_kv_heads // self.head_split)
+    def kv_class_of_shard(self) -> np.ndarray:
+        """int64 [H]: the KV class shard h reads (h when H <= hkv, its kv head when H > hkv)."""
+        return (np.arange(self.head_split) * self.num_kv_classes // self.head_split).astype(np.int64)
+
+    def kv_piece_of_class(self) -> np.ndarray:
+        """int64 [G, M]: the kv piece every shard of class c reads in chunk m."""
+        first_shard = np.arange(self.num_kv_classes) * self.head_split // self.num_kv_classes
+        return self.kv_piece_index()[first_shard]
+
+    def kv_send_chunks(self) -> np.ndarray:
+        """bool [M]: chunk m fetches K/V (its pieces are read by no earlier chunk); other chunks reuse them.
+
+        The pattern is the same for every class (shards start at kv-head boundaries), and the chunks that
+        read one piece are consecutive."""
+        pieces = self.kv_piece_of_class()
+        sends = np.ones(self.num_chunks, dtype=bool)
+        sends[1:] = pieces[0, 1:] != pieces[0, :-1]
+        assert (np.diff(pieces, axis=1) >= 0).all() and ((pieces[:, 1:] != pieces[:, :-1]) == sends[1:]).all()
+        return sends
+
+    def kv_return_chunks(self) -> np.ndarray:
+        """bool [M]: chunk m is the last to read its pieces, so dK/dV summed over their chunks goes home then."""
+        returns = np.ones(self.num_chunks, dtype=bool)
+        returns[:-1] = self.kv_send_chunks()[1:]
+        return returns
 
     # -------- byte volumes per token (one layer, forward), used by Eq. 8 and the exchange plan
     def q_bytes_per_token(self) -> int:
@@ -169,9 +206,6 @@ class HeadLayout:
         return self.q_bytes_per_token()
 
     def kv_bytes_per_token(self) -> int:
-        """V_g per group token: K and V for the kv heads of all M chunk pieces of one shard.
-
-        Equals 2 * (hkv/H) * d * elem when pieces are disjoint; when several pieces share one kv head
-        (group % q_piece == 0, M > 1) every chunk ships its own copy, and that is what is counted.
-        """
-        return 2 * self.num_chunks * self.kv_piece * self.head_dim * self.elem_bytes
+        """V_g per group token: K and V of the hkv/G kv heads of one class, sent once per step whichever
+        shards and chunks read them."""
+        return 2 * (self.num_kv_heads // self.num_kv_classes) * self.head_dim * self.elem_bytes

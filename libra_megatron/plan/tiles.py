@@ -14,7 +14,8 @@ Tilings (``TilingPolicy``):
               Only blocks of long documents (late positions) are heavy enough to split.
 
 Tile id ``t = block*H + h`` pairs block ``t // H`` with head shard ``h = t % H``.
-KV group id ``g = doc*H + h`` is the K/V of document ``doc`` on head shard ``h``. A tile references,
+KV group id ``g = doc*G + c`` is the K/V of document ``doc`` on KV class ``c`` (``HeadLayout``: the kv heads
+shard h reads; G = min(H, hkv), c = h when H <= hkv, so shards inside one kv head share it). A tile references,
 per document fragment, the rows ``[0, frag_kv_end)`` of that group (Eq. 7 with a prefix): the whole
 document for ``KvFetch.GROUP`` (the paper), only the causal prefix up to the fragment's last query row
 for ``KvFetch.PREFIX``. Documents are numbered pool-wide in (sequence, position) order.
@@ -124,11 +125,16 @@ class TileSet:
         """K(t) of Eq. 7: KV group ids the tile references (one per document fragment)."""
         return self.tile_kv_refs(tile)[0]
 
+    @property
+    def num_kv_classes(self) -> int:
+        return self.heads.num_kv_classes
+
     def tile_kv_refs(self, tile: int):
         """(group ids, kv ends): the tile needs rows [0, kv_end) of each group it references."""
         b, h = divmod(int(tile), self.head_split)
         lo, hi = self.frag_ptr[b], self.frag_ptr[b + 1]
-        return self.frag_doc[lo:hi] * self.head_split + h, self.frag_kv_end[lo:hi]
+        klass = int(self.heads.kv_class_of_shard()[h])
+        return self.frag_doc[lo:hi] * self.num_kv_classes + klass, self.frag_kv_end[lo:hi]
 
     def held_rows(self, doc: int, worker: int, end: int) -> int:
         """Rows of document ``doc`` in [0, end) that ``worker`` holds locally."""
@@ -139,7 +145,7 @@ class TileSet:
 
     def group_remote_bytes(self, group: int, worker: int, kv_end: Optional[int] = None) -> int:
         """V_g seen from ``worker``: bytes of group g's rows [0, kv_end) (default: all) it does not hold."""
-        doc = int(group) // self.head_split
+        doc = int(group) // self.num_kv_classes
         end = int(self.doc_len[doc]) if kv_end is None else int(kv_end)
         return (end - self.held_rows(doc, worker, end)) * self.heads.kv_bytes_per_token()
 

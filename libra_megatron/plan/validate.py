@@ -6,7 +6,9 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
              (recv_index is a permutation of the arranged buffer), send_splits[r][d] == recv_splits[d][r]
   Q          every local unit (token, h) of every rank is sent exactly once, to the destination the
              assignment gives its tile; the inverse route returns every output to its home exactly once
-  KV         simulated with (sequence, position, h) ids: per destination no unit arrives twice (dedup),
+  KV         simulated with (sequence, position, KV class) ids: per destination no unit arrives twice
+             (dedup over tiles, head shards of one class and chunks: each kv piece is sent by the first chunk
+             that reads it, reused by the next ones and its dK/dV returned after the last one),
              every referenced group arrives as its rows [0, p) contiguous in doc order, p = the longest
              key prefix of the tiles reading it there (every tile's prefix is present; the whole doc
              under KvFetch.GROUP), and nothing else arrives
@@ -33,15 +35,18 @@ def validate_plan(plan: ExchangePlan, tiles) -> None:
     """Raise PlanError (naming rank, and tile where one is involved) if ``plan`` does not execute
     ``plan.assignment`` of ``tiles`` exactly; return None otherwise."""
     _check_pool(plan, tiles)
+    _check_kv_chunks(tiles.heads)
     ranks = list(plan.ranks)
-    for name in ("q_route", "kv_route"):
+    per_unit = {"q_route": tiles.head_split, "kv_route": tiles.num_kv_classes}
+    for name, units_per_token in per_unit.items():
         routes = [getattr(rp, name) for rp in ranks]
         for w, rt in enumerate(routes):
-            _check_route(rt, w, name, ranks[w].local_tokens * tiles.head_split)
+            _check_route(rt, w, name, ranks[w].local_tokens * units_per_token)
         _check_cross_rank(routes, name)
-    unit_tile, unit_ids = _unit_tiles(tiles), _unit_ids(tiles)
-    arranged_q = _check_q(plan, ranks, unit_tile, np.concatenate(unit_ids))
-    arranged_kv = _exchange([rp.kv_route for rp in ranks], unit_ids)
+    unit_tile = _unit_tiles(tiles)
+    q_ids, kv_ids = _unit_ids(tiles, tiles.head_split), _unit_ids(tiles, tiles.num_kv_classes)
+    arranged_q = _check_q(plan, ranks, unit_tile, np.concatenate(q_ids))
+    arranged_kv = _exchange([rp.kv_route for rp in ranks], kv_ids)
     for w, rp in enumerate(ranks):
         _check_kv_dedup(arranged_kv[w], w)
         _check_varlen(rp, tiles, arranged_q[w], arranged_kv[w])
@@ -113,15 +118,31 @@ def _exchange(routes, sources):
     return out
 
 
-def _unit_ids(tiles):
-    """Per worker: int64 [local_len*H] ids ((seq*L + global pos)*H + h) of its local units."""
-    lay, H = tiles.layout, tiles.head_split
+def _unit_ids(tiles, per_token: int):
+    """Per worker: int64 [local_len*n] ids ((seq*L + global pos)*n + j) of its local units, n = per_token
+    (H for Q units: j = head shard; G for KV units: j = KV class)."""
+    lay, n = tiles.layout, per_token
     out = []
     for w in range(tiles.num_workers):
         seq, c = divmod(w, lay.cp)
         pos = lay.local_to_global(c)
-        out.append(((seq * lay.seq_len + pos)[:, None] * H + np.arange(H)[None, :]).reshape(-1))
+        out.append(((seq * lay.seq_len + pos)[:, None] * n + np.arange(n)[None, :]).reshape(-1))
     return out
+
+
+def _check_kv_chunks(heads) -> None:
+    """Within a step every kv row arrives once: each kv piece is read by consecutive chunks only, the first
+    of them is a KV-sending chunk, no later one is, and the last of them returns dK/dV (from kv_piece_index)."""
+    pieces = heads.kv_piece_index()  # [H, M], computed independently of kv_send_chunks
+    sends, returns = heads.kv_send_chunks(), heads.kv_return_chunks()
+    for h in range(heads.head_split):
+        for j in np.unique(pieces[h]):
+            chunks = np.flatnonzero(pieces[h] == j)
+            if (np.diff(chunks) != 1).any() or not sends[chunks[0]] or sends[chunks[1:]].any() \
+                    or not returns[chunks[-1]] or returns[chunks[:-1]].any():
+                raise PlanError(f"shard {h}: kv piece {int(j)} is read by chunks {chunks.tolist()}, but chunks "
+                                f"{np.flatnonzero(sends).tolist()} send K/V and {np.flatnonzero(returns).tolist()} "
+                                f"return dK/dV: a kv row would arrive twice or too late in one step")
 
 
 def _unit_tiles(tiles):
@@ -200,14 +221,15 @@ def _check_varlen(rp, tiles, q_ids: np.ndarray, kv_ids: np.ndarray) -> None:
     if bad.size:
         i = int(entry[bad[0]])
         raise PlanError(f"rank {w}: varlen entry {i} query rows are not doc positions [e-q_len, e) of one group")
-    _check_groups(rp, tiles, doc[cu[:-1]], h[cu[:-1]], kv_ids)
+    _check_groups(rp, tiles, doc[cu[:-1]], tiles.heads.kv_class_of_shard()[h[cu[:-1]]], kv_ids)
 
 
 def _check_groups(rp, tiles, ent_doc, ent_h, kv_ids) -> None:
-    """The arranged KV is one run per referenced group (s, h), at its entries' offset, holding its rows
+    """The arranged KV is one run per referenced group (s, c) (``ent_h``: the entries' KV classes), at its
+    entries' offset, holding its rows
     [0, p) in doc order: p >= the longest key prefix of its entries (every tile's prefix is present),
     p == that prefix under KvFetch.PREFIX and p == the doc length under GROUP (nothing else is fetched)."""
-    w, H, L = rp.rank, tiles.head_split, tiles.layout.seq_len
+    w, H, L = rp.rank, tiles.num_kv_classes, tiles.layout.seq_len
     off, idx, inverse = np.unique(rp.seq_kv_offset, return_index=True, return_inverse=True)
     if not off.size or off[0] != 0:
         if kv_ids.size or off.size:
@@ -221,13 +243,13 @@ def _check_groups(rp, tiles, ent_doc, ent_h, kv_ids) -> None:
     bad = np.flatnonzero((length != want) | (length < needed))
     if bad.size:
         i = int(bad[0])
-        raise PlanError(f"rank {w}: arranged KV of group (doc {int(s[i])}, h {int(h[i])}) has {int(length[i])} rows; "
+        raise PlanError(f"rank {w}: arranged KV of group (doc {int(s[i])}, class {int(h[i])}) has {int(length[i])} rows; "
                         f"its tiles need {int(needed[i])}, {tiles.kv_fetch.value} fetch wants {int(want[i])}")
     for o, si, hi, ln in zip(off, s, h, length):
         rows = ((tiles.doc_seq[si] * L + tiles.doc_start[si] + np.arange(ln)) * H + hi)
         got = kv_ids[o : o + ln]
         if got.shape != rows.shape or (got != rows).any():
-            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold rows [0, {ln}) of group (doc {si}, h {hi})")
+            raise PlanError(f"rank {w}: KV rows [{o}, {o + ln}) do not hold rows [0, {ln}) of group (doc {si}, class {hi})")
     for i in range(rp.num_seqs):
         j = int(np.searchsorted(off, rp.seq_kv_offset[i]))
         if (s[j], h[j]) != (ent_doc[i], ent_h[i]):

@@ -13,8 +13,10 @@ Forward, per chunk m: gather Q and K|V rows, all_to_all along ``q_route`` / ``kv
 arranged buffers, one varlen causal kernel call over all hosted tiles, return O along ``q_route.inverse()``.
 Pipeliner: chunk m+1 is dispatched and chunk m-1 returned (async) while chunk m computes.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
-``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations, and with
-shared kv heads several chunks, contribute to the same local K/V rows).
+``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
+to the same local K/V rows). K/V travel once per step (``HeadLayout.kv_send_chunks``): a chunk that reads
+the kv piece of the chunk before it reuses that chunk's arranged K|V, and dK|dV of a piece is summed at
+the destination over its chunks and returned once, after the last (``kv_return_chunks``).
 """
 from __future__ import annotations
 
@@ -151,13 +153,15 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     qv, kv_, vv = _views(q, k, v, heads)
     out_view = torch.zeros_like(qv)
     saved: List[tuple] = []
+    sends = heads.kv_send_chunks()  # K/V once per step: a chunk reading the previous chunk's kv piece reuses it
     incoming = (_dispatch_q(cx, qv, 0, "q"), _dispatch_kv(cx, kv_, vv, 0, "kv"))
-    outgoing = None
+    outgoing = kv_arr = None
     for m in range(heads.num_chunks):
         current = incoming
         if m + 1 < heads.num_chunks:  # dispatch m+1 before computing m (§4.4)
-            incoming = (_dispatch_q(cx, qv, m + 1, "q"), _dispatch_kv(cx, kv_, vv, m + 1, "kv"))
-        q_arr, kv_arr = current[0].placed(), current[1].placed()
+            incoming = (_dispatch_q(cx, qv, m + 1, "q"), _dispatch_kv(cx, kv_, vv, m + 1, "kv") if sends[m + 1] else None)
+        q_arr = current[0].placed()
+        kv_arr = current[1].placed() if current[1] is not None else kv_arr
         o_arr, lse = _fwd_chunk(cx, q_arr, kv_arr)
         returning = _return(cx, o_arr, m, "q_inv", "o")
         if outgoing is not None:
@@ -175,24 +179,28 @@ def _bwd_inputs(cx: _Ctx, m: int, dout_view, saved, local):
     if local is not None:
         qv, kv_, vv, ov = local
         pending["q"] = _dispatch_q(cx, qv, m, "q_bwd")
-        pending["kv"] = _dispatch_kv(cx, kv_, vv, m, "kv_bwd")
+        if cx.plan.heads.kv_send_chunks()[m]:
+            pending["kv"] = _dispatch_kv(cx, kv_, vv, m, "kv_bwd")
         pending["o"] = _dispatch_q(cx, ov, m, "o_bwd")
     return pending
 
 
-def _bwd_chunk(cx: _Ctx, pending, saved_m):
-    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), dkv_arr (nkv, 2*kp, d))."""
+def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
+    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), kv_arr, dkv_arr (nkv, 2*kp, d)).
+    ``kv_arr``/``dkv_arr`` come from the previous chunk when it read the same kv piece (None otherwise):
+    the arranged K|V is reused and its dK|dV keeps accumulating until the piece's last chunk."""
     if "q" in pending:
-        q_arr, kv_arr, o_arr = pending["q"].placed(), pending["kv"].placed(), pending["o"].placed()
+        q_arr, o_arr = pending["q"].placed(), pending["o"].placed()
+        kv_arr = pending["kv"].placed() if "kv" in pending else kv_arr
         (lse,) = saved_m
     else:
         q_arr, kv_arr, o_arr, lse = saved_m
     do_arr = pending["do"].placed()
     k_pk, v_pk = _packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale)
-    dkv_arr = kv_arr.new_zeros(kv_arr.shape)
+    dkv_arr = kv_arr.new_zeros(kv_arr.shape) if dkv_arr is None else dkv_arr
     dkv_arr.index_add_(0, cx.tables.k_gather, torch.cat([dk_pk, dv_pk], dim=1))
-    return dq_arr, dkv_arr
+    return dq_arr, kv_arr, dkv_arr
 
 
 def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
@@ -204,19 +212,22 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
     kp = heads.kv_piece
     dkv_local = dout.new_zeros((k_shape[0] * heads.kv_pieces_per_token, 2 * kp, heads.head_dim))
     incoming = _bwd_inputs(cx, 0, dout_view, saved, local)
-    outgoing = None
+    outgoing, kv_arr, dkv_arr = [], None, None
+    returns = heads.kv_return_chunks()  # dK|dV of a kv piece goes home after the last chunk reading it
     for m in range(heads.num_chunks):
         current = incoming
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
-        dq_arr, dkv_arr = _bwd_chunk(cx, current, saved[m])
-        returning = (_return(cx, dq_arr, m, "q_inv", "dq"), _return(cx, dkv_arr, m, "kv_inv", "dkv"))
-        if outgoing is not None:
-            outgoing[0].into(dq_view)
-            outgoing[1].into(dkv_local)
+        dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
+        returning = [(_return(cx, dq_arr, m, "q_inv", "dq"), dq_view)]
+        if returns[m]:
+            returning.append((_return(cx, dkv_arr, m, "kv_inv", "dkv"), dkv_local))
+            kv_arr = dkv_arr = None
+        for pending, target in outgoing:
+            pending.into(target)
         outgoing = returning
-    outgoing[0].into(dq_view)
-    outgoing[1].into(dkv_local)
+    for pending, target in outgoing:
+        pending.into(target)
     dkv_local = dkv_local.view(-1, 2, kp, heads.head_dim)
     return dq_view.view_as(dout), dkv_local[:, 0].reshape(k_shape), dkv_local[:, 1].reshape(k_shape)
 
@@ -236,7 +247,8 @@ class _LibraAttnFunction(torch.autograd.Function):
         extra = [q, k, v, out] if save_mode is SaveMode.REFETCH else []
         autograd_ctx.save_for_backward(*flat, *extra)
         if cx.stats is not None:
-            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in flat)
+            distinct = {id(t): t for t in flat}.values()  # chunks that reuse a kv piece save the same K|V
+            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in distinct)
         return out
 
     @staticmethod

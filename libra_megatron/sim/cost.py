@@ -13,10 +13,15 @@ the intra-node bandwidth (default 300 GB/s), other peers the inter-node bandwidt
 per GPU). Per link class the busy time is max(bytes sent, bytes received) / bandwidth (full-duplex
 links); the two classes run concurrently, so comm seconds = max(intra time, inter time).
 
-Exposure (TAP Pipeliner, §4.4). With M equal head chunks, chunk 0's dispatch and chunk M-1's return
-cannot overlap, and the (M-1)/M middle share can hide only behind compute:
-    exposed = comm - min((M-1)/M * comm, compute)        (= comm/M at best)
+Exposure (TAP Pipeliner, §4.4). Chunk 0's dispatch and chunk M-1's return cannot overlap, the rest can
+hide only behind compute:
+    exposed = comm - min((1 - u) * comm, compute)        (= u * comm at best)
     worker seconds = compute + exposed
+u is the share of a worker's traffic in chunk 0's dispatch and chunk M-1's return. Q and O are split
+evenly over the M chunks; K/V travel once per step, with the first chunk that reads each kv piece
+(``HeadLayout.kv_send_chunks``, F of the M chunks), so u = ((Q + O)/M + KV/F) / (Q + KV + O), and
+u = 1/M when no chunks share a kv piece (F = M). The model ignores that a KV-carrying chunk's dispatch
+has to hide behind one chunk of compute: with F < M the middle traffic is burstier than it assumes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 
 from ..paths import read_json
 
-__all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds"]
+__all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds", "unhidable_share"]
 
 GB = 1e9
 TFLOP = 1e12
@@ -40,12 +45,21 @@ def attention_flops(pair_heads, head_dim: int) -> np.ndarray:
     return 4.0 * head_dim * np.asarray(pair_heads, dtype=np.float64)
 
 
-def exposed_comm_seconds(comm, compute, num_chunks: int) -> np.ndarray:
-    """Communication left on the critical path after Pipeliner overlap (module docstring formula)."""
+def exposed_comm_seconds(comm, compute, num_chunks: int, unhidable_share=None) -> np.ndarray:
+    """Communication left on the critical path after Pipeliner overlap (module docstring formula);
+    ``unhidable_share`` u per worker (default 1/M: traffic spread evenly over the chunks)."""
     comm = np.asarray(comm, dtype=np.float64)
     compute = np.asarray(compute, dtype=np.float64)
-    hidable = comm * (num_chunks - 1) / num_chunks
-    return comm - np.minimum(hidable, compute)
+    u = 1.0 / num_chunks if unhidable_share is None else np.asarray(unhidable_share, dtype=np.float64)
+    return comm - np.minimum(comm * (1.0 - u), compute)
+
+
+def unhidable_share(q_bytes, kv_bytes, o_bytes, num_chunks: int, kv_send_chunks: int) -> np.ndarray:
+    """u = ((Q + O)/M + KV/F) / (Q + KV + O) per worker (1/M where a worker moves nothing)."""
+    q, kv, o = (np.asarray(x, dtype=np.float64) for x in (q_bytes, kv_bytes, o_bytes))
+    total = q + kv + o
+    first_and_last = (q + o) / num_chunks + kv / kv_send_chunks
+    return np.where(total > 0, first_and_last / np.where(total > 0, total, 1.0), 1.0 / num_chunks)
 
 
 @dataclass(frozen=True)
@@ -147,9 +161,9 @@ class CostModel:
         inter = np.asarray(inter_bytes, dtype=np.float64) / (self.inter_node_gbps * GB)
         return np.maximum(intra, inter)
 
-    def worker_seconds(self, compute, comm) -> np.ndarray:
-        """compute + exposed comm (Pipeliner overlap with M = num_chunks chunks)."""
-        return np.asarray(compute, dtype=np.float64) + exposed_comm_seconds(comm, compute, self.num_chunks)
+    def worker_seconds(self, compute, comm, unhidable=None) -> np.ndarray:
+        """compute + exposed comm (Pipeliner overlap with M = num_chunks chunks; ``unhidable`` = u per worker)."""
+        return np.asarray(compute, dtype=np.float64) + exposed_comm_seconds(comm, compute, self.num_chunks, unhidable)
 
     def assumptions(self) -> Dict[str, object]:
         """JSON-ready record of what the time estimates assumed."""
@@ -158,7 +172,8 @@ class CostModel:
             "inter_node_gbps": self.inter_node_gbps, "gpus_per_node": self.gpus_per_node,
             "num_chunks": self.num_chunks, "head_dim": self.head_dim,
             "flops_per_pair_head": 4 * self.head_dim,
-            "step_time": "max over workers of compute + comm - min((M-1)/M*comm, compute)",
+            "step_time": "max over workers of compute + comm - min((1-u)*comm, compute), "
+                         "u = ((Q+O)/M + KV/F)/(Q+KV+O), F = chunks that send K/V",
         }
         out["calibration"] = None if self.calibration is None else {
             "device": self.calibration.device, "heads": list(self.calibration.heads)}

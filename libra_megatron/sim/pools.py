@@ -24,7 +24,7 @@ from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
 from ..plan.layout import HeadLayout, TokenLayout
 from ..plan.placement import TilePlacementResult, place_tiles
 from ..plan.tiles import TileSet, build_tiles
-from .cost import CostModel
+from .cost import CostModel, unhidable_share
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
            "PoolKnobs"]
@@ -52,7 +52,7 @@ def traffic_edges(tiles: TileSet, assignment: np.ndarray) -> TrafficEdges:
     moved = np.flatnonzero(assignment != home)
     qb = tokens[moved] * tiles.heads.q_bytes_per_token()
     fetched = fetched_groups(tiles, assignment)
-    pair, entry, count = home_runs_in_prefix(tiles, fetched.group // tiles.head_split, fetched.end)
+    pair, entry, count = home_runs_in_prefix(tiles, fetched.group // tiles.num_kv_classes, fetched.end)
     kv_dst, kv_src = fetched.dst[pair], tiles.doc_home_worker[entry]
     remote = kv_src != kv_dst
     kv_dst, kv_src = kv_dst[remote], kv_src[remote]
@@ -115,9 +115,13 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     intra, inter = link_bytes(edges, nodes)
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
     comm = cost.comm_seconds(intra, inter)
+    by_kind = [np.bincount(np.concatenate([edges.src[edges.kind == k], edges.dst[edges.kind == k]]),
+                           weights=np.tile(edges.nbytes[edges.kind == k], 2).astype(np.float64),
+                           minlength=tiles.num_workers) for k in range(3)]  # bytes a worker sends or receives
+    u = unhidable_share(*by_kind, cost.num_chunks, int(tiles.heads.kv_send_chunks().sum()))
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, comm_seconds=comm,
-        seconds=cost.worker_seconds(compute, comm), bytes_qkvo=tuple(int(b) for b in placed.comm_bytes),
+        seconds=cost.worker_seconds(compute, comm, u), bytes_qkvo=tuple(int(b) for b in placed.comm_bytes),
         num_tiles=tiles.num_tiles, num_fallback=int(placed.num_fallback),
     )
 

@@ -2,8 +2,8 @@
 
 Shape legend (per rank r): t = local tokens, hq/hkv = query/kv heads, d = head dim.
     q_local[r]   (t, hq, d)    k_local[r], v_local[r]  (t, hkv, d)
-    units        local_token*H + h (see ``exchange`` module docstring); rows of chunk views via
-                 ``q_rows`` (Q/O/dQ) and ``kv_rows`` (K/V/dK/dV).
+    units        Q: local_token*H + h, KV: local_token*G + KV class (``exchange`` module docstring); rows of
+                 chunk views via ``q_rows`` (Q/O/dQ) and ``kv_rows`` (K/V/dK/dV).
 Every collective is simulated by slicing each source's send buffer with its ``send_splits`` -- the same
 (send_index, send_splits, recv_splits, recv_index) contract an ``all_to_all_single`` would execute.
 Backward-direction moves use ``Route.inverse()`` (accumulating), exactly as the runtime does.
@@ -46,7 +46,8 @@ def exchange_numpy(routes: Sequence[Route], sources: Sequence[np.ndarray]) -> Li
 
 
 def run_routes_numpy(plan: ExchangePlan, local_q_units: list, local_kv_units: list):
-    """Forward Q dispatch and KV fetch on unit buffers (``local_*_units[r]`` has local_tokens*H rows).
+    """Forward Q dispatch and KV fetch on unit buffers (``local_q_units[r]`` has local_tokens*H rows,
+    ``local_kv_units[r]`` local_tokens*G).
 
     Returns (arranged_q, arranged_kv): per-rank arrays of ``q_route.target_len`` / ``kv_route.target_len`` rows.
     """
@@ -114,11 +115,14 @@ def attention_numpy(plan: ExchangePlan, q_local: list, k_local: list, v_local: l
     k_view = [np.asarray(k, np.float64).reshape(t * heads.kv_pieces_per_token, heads.kv_piece, d) for k in k_local]
     v_view = [np.asarray(v, np.float64).reshape(t * heads.kv_pieces_per_token, heads.kv_piece, d) for v in v_local]
     o_view = [np.zeros_like(q) for q in q_view]
-    units = np.arange(t * H, dtype=np.int64)
+    units, kv_units = np.arange(t * H, dtype=np.int64), np.arange(t * heads.num_kv_classes, dtype=np.int64)
+    sends = heads.kv_send_chunks()
     for m in range(M):
-        qr, kr = q_rows(units, heads, m), kv_rows(units, heads, m)
-        aq, ak = run_routes_numpy(plan, [q[qr] for q in q_view], [k[kr] for k in k_view])
-        _, av = run_routes_numpy(plan, [q[qr] for q in q_view], [v[kr] for v in v_view])
+        qr, kr = q_rows(units, heads, m), kv_rows(kv_units, heads, m)
+        aq = exchange_numpy([rp.q_route for rp in ranks], [q[qr] for q in q_view])
+        if sends[m]:  # K/V once per step: later chunks reading the same kv piece reuse these rows
+            ak = exchange_numpy([rp.kv_route for rp in ranks], [k[kr] for k in k_view])
+            av = exchange_numpy([rp.kv_route for rp in ranks], [v[kr] for v in v_view])
         ao = [_varlen_attention(rp, aq[r], ak[r], av[r], scale) for r, rp in enumerate(ranks)]
         back = return_outputs_numpy(plan, ao)
         for r in range(len(ranks)):

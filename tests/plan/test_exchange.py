@@ -71,28 +71,32 @@ def reference_attention(q, k, v, segs, scale):
 
 
 def token_ids(layout, P, H):
-    """Per worker, the id (seq*L + global pos)*H + h of every local unit (token*H + h)."""
+    """Per worker, the id (seq*L + global pos)*H + h of every local unit (token*H + h; H = G for KV units)."""
     seqs = [(p * layout.seq_len + np.arange(layout.seq_len))[:, None] * H + np.arange(H) for p in range(P)]
     return [x.reshape(-1) for x in scatter_to_workers(layout, seqs)]
 
 
 def brute_force_expectation(segs, layout, tiles, assign):
-    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, doc start, rows, h)},
-    rows = the whole doc (group fetch) or the longest causal prefix its tiles there need (prefix fetch)."""
+    """Per destination: set of Q ids of its tiles, and the referenced groups as {(p, doc start, rows, class)},
+    rows = the whole doc (group fetch) or the longest causal prefix its tiles there need (prefix fetch);
+    shards reading the same kv head (H > hkv) share one group."""
     H, L, W = tiles.head_split, layout.seq_len, tiles.num_workers
+    hq, hkv = tiles.heads.num_q_heads, tiles.heads.num_kv_heads
     want_q = [set() for _ in range(W)]
     prefix = [dict() for _ in range(W)]
     for t, d in enumerate(assign):
         b, h = divmod(t, H)
         p, lo, hi = int(tiles.block_seq[b]), int(tiles.block_start[b]), int(tiles.block_end[b])
         want_q[d].update(((p * L + np.arange(lo, hi)) * H + h).tolist())
+        # the KV class: the shard's kv heads (H <= hkv) or the one kv head it lies in (H > hkv)
+        klass = h if H <= hkv else (h * (hq // H)) // (hq // hkv)
         starts = np.concatenate([[0], np.cumsum(segs[p])])
         for s0, s1 in zip(starts[:-1], starts[1:]):
             if s0 < hi and lo < s1:
                 rows = int(s1 - s0) if tiles.kv_fetch.value == "group" else int(min(hi, s1) - s0)
-                key = (p, int(s0), h)
+                key = (p, int(s0), klass)
                 prefix[d][key] = max(prefix[d].get(key, 0), rows)
-    want_groups = [{(p, s0, n, h) for (p, s0, h), n in pre.items()} for pre in prefix]
+    want_groups = [{(p, s0, n, c) for (p, s0, c), n in pre.items()} for pre in prefix]
     return want_q, want_groups
 
 
@@ -103,15 +107,16 @@ def test_numbered_units_reach_their_destination_and_outputs_return_home_once(poo
     segs, layout, heads, tiles, assign, _ = pool
     H, L, P = heads.head_split, layout.seq_len, len(segs)
     plan = build_exchange_plan(tiles, assign)
-    ids = token_ids(layout, P, H)
-    arr_q, arr_kv = run_routes_numpy(plan, ids, ids)
+    G = heads.num_kv_classes
+    ids, kv_ids = token_ids(layout, P, H), token_ids(layout, P, G)
+    arr_q, arr_kv = run_routes_numpy(plan, ids, kv_ids)
     want_q, want_groups = brute_force_expectation(segs, layout, tiles, assign)
     for d in range(tiles.num_workers):
         assert sorted(arr_q[d].tolist()) == sorted(want_q[d])
         assert len(arr_kv[d]) == sum(g[2] for g in want_groups[d])  # every group's prefix exactly once
         where = {int(x): i for i, x in enumerate(arr_kv[d])}
-        for p, s0, n, h in want_groups[d]:
-            rows = [where[(p * L + s0 + j) * H + h] for j in range(n)]
+        for p, s0, n, c in want_groups[d]:
+            rows = [where[(p * L + s0 + j) * G + c] for j in range(n)]
             assert rows == list(range(rows[0], rows[0] + n))  # the prefix, contiguous, in doc order
     back = return_outputs_numpy(plan, [a + 1 for a in arr_q])  # +1: a missing return would read 0
     for w in range(tiles.num_workers):
@@ -166,14 +171,15 @@ def test_inverse_routes_are_the_adjoint_of_the_forward_gather(pool):
     """<A x, G> == <x, A^T G> with A^T executed by Route.inverse() (dK/dV sums over destinations)."""
     _, layout, heads, tiles, assign, rng = pool
     plan = build_exchange_plan(tiles, assign)
-    n = layout.local_len * heads.head_split
+    n, nk = layout.local_len * heads.head_split, layout.local_len * heads.num_kv_classes
     x = [rng.standard_normal(n) for _ in range(tiles.num_workers)]
-    arr_q, arr_kv = run_routes_numpy(plan, x, x)
+    xk = [rng.standard_normal(nk) for _ in range(tiles.num_workers)]
+    arr_q, arr_kv = run_routes_numpy(plan, x, xk)
     g_kv = [rng.standard_normal(a.shape) for a in arr_kv]
     g_q = [rng.standard_normal(a.shape) for a in arr_q]
     back_kv, back_q = return_kv_grads_numpy(plan, g_kv), return_outputs_numpy(plan, g_q)
     dot = lambda a, b: sum(float(np.dot(u, v)) for u, v in zip(a, b))  # noqa: E731
-    assert math.isclose(dot(arr_kv, g_kv), dot(x, back_kv), rel_tol=1e-12, abs_tol=1e-9)
+    assert math.isclose(dot(arr_kv, g_kv), dot(xk, back_kv), rel_tol=1e-12, abs_tol=1e-9)
     assert math.isclose(dot(arr_q, g_q), dot(x, back_q), rel_tol=1e-12, abs_tol=1e-9)
 
 
@@ -183,14 +189,14 @@ def test_kv_gradients_accumulate_once_per_fetching_destination(pool):
     """Sending ones back: every local KV unit receives the number of destinations that fetched it."""
     segs, layout, heads, tiles, assign, _ = pool
     plan = build_exchange_plan(tiles, assign)
-    H, L, P = heads.head_split, layout.seq_len, len(segs)
+    G, L, P = heads.num_kv_classes, layout.seq_len, len(segs)
     _, want_groups = brute_force_expectation(segs, layout, tiles, assign)
-    fetched = np.zeros(P * L * H)
+    fetched = np.zeros(P * L * G)
     for groups in want_groups:
-        for p, s0, n, h in groups:
-            fetched[(p * L + s0 + np.arange(n)) * H + h] += 1
+        for p, s0, n, c in groups:
+            fetched[(p * L + s0 + np.arange(n)) * G + c] += 1
     back = return_kv_grads_numpy(plan, [np.ones(rp.kv_route.target_len) for rp in plan.ranks])
-    ids = token_ids(layout, P, H)
+    ids = token_ids(layout, P, G)
     for w in range(tiles.num_workers):
         np.testing.assert_array_equal(back[w], fetched[ids[w]])
 

@@ -19,6 +19,8 @@ HEADS = {  # (hq, hkv, d): Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, paper micro
     "qwen3-235b": (64, 4, 128),
     "micro-256k": (128, 16, 256),
     "micro-1m": (128, 4, 256),
+    "kv2": (16, 2, 32),  # H=4 > hkv: two shards share each kv head (one KV class), Eq. 8 counts it once
+    "kv1": (8, 1, 16),
 }
 
 
@@ -49,8 +51,10 @@ def reference_alg2(tiles, tau, tile_cost=None):
     holder = _position_holders(tiles)
     assignment, comm, fallbacks = [0] * len(f), 0, 0
 
+    G = min(H, tiles.heads.num_kv_heads)  # KV classes: a group is (doc, class), doc = group // G
+
     def remote_rows(group, r, lo, hi):
-        doc = int(group) // H
+        doc = int(group) // G
         seq, start = int(tiles.doc_seq[doc]), int(tiles.doc_start[doc])
         return int((holder[seq][start + lo : start + hi] != r).sum()) if hi > lo else 0
 

@@ -167,16 +167,19 @@ def test_fragments_kv_prefixes_and_remote_bytes_match_documents(case):
             assert tiles.frag_q_end[f] == min(e, starts[j + 1]) - starts[j]
             end = min(e, starts[j + 1]) if tiles.kv_fetch is KvFetch.PREFIX else starts[j + 1]
             assert tiles.frag_kv_end[f] == end - starts[j]  # the causal prefix, or the whole document
+        hq, hkv, G = tiles.heads.num_q_heads, tiles.heads.num_kv_heads, min(H, tiles.heads.num_kv_heads)
         for h in range(H):
             groups, ends = tiles.tile_kv_refs(b * H + h)
-            assert groups.tolist() == [(base[p] + j) * H + h for j in want]
+            klass = h if H <= hkv else h * (hq // H) // (hq // hkv)  # its kv heads, or the kv head it lies in
+            assert groups.tolist() == [(base[p] + j) * G + klass for j in want]
             assert ends.tolist() == tiles.frag_kv_end[lo:hi].tolist()
     kvb = tiles.heads.kv_bytes_per_token()
     for s in range(tiles.num_docs):
         p = tiles.doc_seq[s]
         a = tiles.doc_start[s]
         holders = rank[a : a + tiles.doc_len[s]] + p * layout.cp
+        G = tiles.num_kv_classes
         for r in range(W):
             for end in {1, int(tiles.doc_len[s]) // 2 + 1, int(tiles.doc_len[s])}:
-                assert tiles.group_remote_bytes(s * H, r, end) == int((holders[:end] != r).sum()) * kvb
-            assert tiles.group_remote_bytes(s * H, r) == int((holders != r).sum()) * kvb
+                assert tiles.group_remote_bytes(s * G, r, end) == int((holders[:end] != r).sum()) * kvb
+            assert tiles.group_remote_bytes(s * G, r) == int((holders != r).sum()) * kvb

@@ -172,3 +172,23 @@ def test_plan_for_another_pool_is_rejected():
     other = build_tiles([[32], [32]], tiles.layout, tiles.heads, 8)
     with pytest.raises(PlanError, match="plan has 4 ranks|assignment has shape"):
         validate_plan(plan, other)
+
+
+def test_kv_sent_by_every_chunk_that_shares_a_piece_is_caught(monkeypatch):
+    # HeadLayout(8, 2, 4, 2, 2): q piece 2 < GQA group 4, so both chunks of a shard read one kv head
+    tiles, plan = small_plan()
+    assert plan.ranks[0].heads.kv_send_chunks().tolist() == [True, False]
+    monkeypatch.setattr(HeadLayout, "kv_send_chunks", lambda self: np.ones(self.num_chunks, dtype=bool))
+    with pytest.raises(PlanError, match="kv piece 0 is read by chunks \\[0, 1\\].*arrive twice"):
+        validate_plan(plan, tiles)
+
+
+def test_prefix_shorter_than_a_tile_needs_is_caught():
+    layout, heads = TokenLayout("contiguous", 16, 2), HeadLayout(2, 1, 4, 1, 1)
+    tiles = build_tiles([[16]], layout, heads, 4, tiling="uniform", kv_fetch="prefix")
+    plan = build_exchange_plan(tiles, np.zeros(tiles.num_tiles, dtype=np.int64))  # all on worker 0
+    rp = plan.ranks[0]
+    longer = rp.seq_k_len.copy()
+    longer[-1] += 1  # the last entry reads one key row past the fetched prefix
+    with pytest.raises(PlanError, match="rank 0"):
+        validate_plan(with_rank(plan, 0, seq_k_len=longer), tiles)

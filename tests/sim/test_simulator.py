@@ -58,6 +58,20 @@ def _rank_link_bytes(plan, rank, heads, node):
     return max(sent[same].sum(), recv[same].sum()), max(sent[~same].sum(), recv[~same].sum())
 
 
+def _unhidable_share(plan, rank, heads):
+    """u = ((Q + O)/M + KV/F)/(Q + KV + O) of one rank's sent + received bytes; F = chunks that send K/V:
+    M when every chunk reads its own kv head, 1 when the q piece hq/(H*M) is below the GQA group (H <= hkv)."""
+    rp = plan.for_rank(rank)
+    qb, kvb, M = heads.q_bytes_per_token(), heads.kv_bytes_per_token(), heads.num_chunks
+    remote = lambda splits: int(splits.sum() - splits[rank])  # noqa: E731
+    q = (remote(rp.q_route.send_splits) + remote(rp.q_route.recv_splits)) * qb  # O mirrors Q
+    kv = (remote(rp.kv_route.send_splits) + remote(rp.kv_route.recv_splits)) * kvb
+    piece = heads.num_q_heads // (heads.head_split * M)
+    sends = M if piece >= heads.group else M // (heads.group // piece)
+    total = 2 * q + kv
+    return (2 * q / M + kv / sends) / total if total else 1 / M
+
+
 def _reference_libra(P, H, B):
     """Recompute steps, bytes and intra imbalance from plan/ records alone (refined VRSP + Alg. 2)."""
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
@@ -79,7 +93,8 @@ def _reference_libra(P, H, B):
             for r in range(2 * P):
                 intra_b, inter_b = _rank_link_bytes(plan, r, heads, node)
                 comm = max(intra_b / 1e6, inter_b / 5e5)  # 1e-3 and 5e-4 GB/s
-                seconds.append(compute[r] + comm - min(comm / 2, compute[r]))
+                u = _unhidable_share(plan, r, heads)
+                seconds.append(compute[r] + comm - min(comm * (1 - u), compute[r]))
             step_max[k * P // 4] = max(step_max[k * P // 4], max(seconds))
         steps.extend(step_max.tolist())
     return np.array(steps), np.mean(byte_rows, axis=0), float(np.mean(intra))
