@@ -9,7 +9,7 @@ prefix fetch): build_tiles, place_tiles(ALG2), build_exchange_plan, and the per-
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
-  1M:   CP=16, B=4096, H=1, Qwen3-30B-A3B hq=32 hkv=4 d=128 (the shipped 1M config)  budget 50 ms
+  256K / 1M: CP=8 / 16, B=4096, H=2, Qwen3-30B-A3B hq=32 hkv=4 d=128 (the shipped configs)  budget 20 / 50 ms
 VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
     ("1M H=2", 1024 * 1024, 16, 8192, 2, (128, 4, 256), 50.0),
     ("1M H=4", 1024 * 1024, 16, 8192, 4, (128, 4, 256), 50.0),
     ("1M H=4 q8b", 1024 * 1024, 16, 8192, 4, (32, 8, 128), 50.0),  # Qwen3-8B heads
-    ("1M q30b", 1024 * 1024, 16, 4096, 1, (32, 4, 128), 50.0),  # Qwen3-30B-A3B, configs/libra/1m.yaml
+    ("256K q30b", 256 * 1024, 8, 4096, 2, (32, 4, 128), 20.0),  # Qwen3-30B-A3B, configs/libra/256k.yaml
+    ("1M q30b", 1024 * 1024, 16, 4096, 2, (32, 4, 128), 50.0),  # Qwen3-30B-A3B, configs/libra/1m.yaml
 )
 MODES = {"paper": (TilingPolicy.UNIFORM, KvFetch.GROUP), "ours": (TilingPolicy.ADAPTIVE, KvFetch.PREFIX)}
 RANK_SAMPLES = 8  # ranks per pool whose RankPlan is timed; the slowest counts (every rank waits for its own)
