@@ -1,7 +1,7 @@
 """Test and benchmark corpora as real megatron-core IndexedDatasets, and GPTDatasets over them.
 
 (a) ``build_indexed_dataset_from_trace``: one document per trace length (real lengths from
-    ``../shared/data/traces``); the TOKENS ARE SYNTHETIC (seeded uniform ids, never ``eod``), the
+    ``data/traces``); the TOKENS ARE SYNTHETIC (seeded uniform ids, never ``eod``), the
     last token of every document is ``eod``, so a document of trace length n has exactly n tokens.
 (b) ``build_indexed_dataset_from_python_stdlib``: the Python standard library's ``.py`` files
     (sorted paths under ``sysconfig.get_paths()['stdlib']``, ``site-packages`` excluded), tokenized
