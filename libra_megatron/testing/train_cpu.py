@@ -34,10 +34,8 @@ loss_mask (1, t) float32, model output: per-token loss (1, t) float32.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -96,15 +94,19 @@ class RunConfig:
         from ..config import LibraConfig, SequencePlacement, TilePlacement
 
         on = self.libra
-        return LibraConfig(
+        values = dict(
             pool_size=self.pool_size if on else 1, head_split=self.head_split, block_size=self.block_size,
             num_chunks=self.num_chunks, tau=self.tau,
             sequence_placement=SequencePlacement.REFINED if on else SequencePlacement.CONTIGUOUS,
             tile_placement=TilePlacement.ALG2 if on else TilePlacement.HOME, kernel_backend="torch",
             token_layout=self.token_layout,
-        ).validate(num_attention_heads=self.num_heads, num_query_groups=self.num_kv_heads,
-                   data_parallel_size=self.dp, context_parallel_size=self.cp, seq_length=self.seq_len,
-                   global_batch_size=self.global_batch)
+        )
+        return LibraConfig.from_flags(values, _CONFIG_FLAGS).validate(
+            num_attention_heads=self.num_heads, num_query_groups=self.num_kv_heads, data_parallel_size=self.dp,
+            context_parallel_size=self.cp, seq_length=self.seq_len, global_batch_size=self.global_batch)
+
+
+_CONFIG_FLAGS = {key: "--" + key.replace("_", "-") for key in ("pool_size", "head_split", "block_size", "num_chunks")}
 
 
 @dataclass(frozen=True, eq=False)
@@ -498,10 +500,14 @@ def _print_summary(summary: Dict[str, object]) -> None:
               f" -> {'PARITY OK' if summary['parity_ok'] else f'PARITY FAILED (tolerance {PARITY_RTOL})'}")
 
 
+TOOL = "libra-train-cpu"
+
+
 def parse_args(argv: Optional[Sequence[str]] = None):
+    from ..cli import ArgumentParser, add_debug_argument
+
     d = RunConfig()
-    p = argparse.ArgumentParser(prog="python -m libra_megatron.testing.train_cpu",
-                                description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     for flag, value in (("--dp", d.dp), ("--cp", d.cp), ("--pool-size", d.pool_size), ("--steps", d.steps),
                         ("--seq-len", d.seq_len), ("--grad-accum", d.grad_accum), ("--head-split", d.head_split),
                         ("--num-chunks", d.num_chunks), ("--block-size", d.block_size), ("--vocab", d.vocab),
@@ -519,8 +525,30 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--baseline", action="store_true", help="run only the baseline (no VRSP, no pools)")
     p.add_argument("--compare", action="store_true", help="run Libra and the baseline, print parity")
     p.add_argument("--json", default=None, help="write the closing summary (Libra run + parity) to this file")
-    p.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    add_debug_argument(p)
     return p.parse_args(argv)
+
+
+def _check_args(args) -> None:
+    """Before anything is built: counts are positive, the trace and the work folder are usable."""
+    from ..paths import check_input_file, check_output_dir
+
+    for flag in ("dp", "cp", "pool_size", "steps", "seq_len", "grad_accum", "head_split", "num_chunks",
+                 "block_size", "vocab", "max_docs"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    for flag in ("lr", "doc_scale"):
+        value = getattr(args, flag)
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value!r}")
+    if args.data == "trace":
+        path = args.trace if os.path.sep in args.trace or os.path.exists(args.trace) else find_trace(args.trace)
+        check_input_file(path, f"--trace {args.trace}")
+    if args.workdir:
+        check_output_dir(args.workdir, f"--workdir {args.workdir}")
+    if args.baseline and args.json:
+        raise ValueError("--json summarises a Libra run; drop --baseline")
 
 
 def _config_from_args(args) -> RunConfig:
@@ -532,10 +560,11 @@ def _config_from_args(args) -> RunConfig:
                      max_docs=args.max_docs)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    """The CPU training run: 0, or 1 when parity fails; bad flags raise ValueError naming the flag
+    (``main`` prints one line, exit 2)."""
     args = parse_args(argv)
-    if args.baseline and args.json:
-        raise ValueError("--json summarises a Libra run; drop --baseline")
+    _check_args(args)
     cfg = _config_from_args(args)
     cfg.libra_config()  # validate flags before building anything
     started = time.perf_counter()
@@ -563,7 +592,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if parity is None or summary["parity_ok"] else 1
 
 
-if __name__ == "__main__":
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m libra_megatron.testing.train_cpu`` (``scripts/main.sh``): exit 2 with one line on bad input."""
     from ..cli import run_cli
 
-    run_cli("train_cpu", main, sys.argv[1:])
+    run_cli(TOOL, run, argv)
+
+
+if __name__ == "__main__":
+    main()

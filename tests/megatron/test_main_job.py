@@ -18,7 +18,7 @@ FIELDS = ("parity_ok", "max_rel_loss", "max_rel_grad_norm", "steps", "inter_pool
 def summary(tmp_path_factory):
     work = tmp_path_factory.mktemp("main_job")
     path = work / "summary.json"
-    code = train_cpu.main(["--compare", "--steps", "3", "--seq-len", "512", "--block-size", "64", "--max-docs", "800",
+    code = train_cpu.run(["--compare", "--steps", "3", "--seq-len", "512", "--block-size", "64", "--max-docs", "800",
                            "--max-files", "5", "--workdir", str(work), "--json", str(path)])
     return code, json.loads(path.read_text())
 
@@ -56,4 +56,4 @@ def test_trace_documents_filled_from_a_token_stream_are_its_consecutive_slices(t
 
 def test_json_needs_a_libra_run():
     with pytest.raises(ValueError, match="--json summarises a Libra run"):
-        train_cpu.main(["--baseline", "--json", "x.json"])
+        train_cpu.run(["--baseline", "--json", "x.json"])
