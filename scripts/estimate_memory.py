@@ -40,9 +40,7 @@ Not counted: allocator fragmentation, NCCL/communication buffers, backward tempo
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from libra_megatron.cli import run_cli  # noqa: E402
+from libra_megatron.cli import ArgumentParser, add_debug_argument, run_cli  # noqa: E402
 
 GIB = float(1 << 30)
 HEADER_BEGIN = "# Memory per GPU, estimated by scripts/estimate_memory.py (GiB; assumptions in that script):"
@@ -75,9 +73,9 @@ def parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
         if not token.startswith("--"):
             i += 1
             continue
-        name = token[2:].replace("-", "_")
-        if "=" in name:
-            name, value = name.split("=", 1)
+        name, eq, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if eq:
             flags[name] = value
             i += 1
         elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
@@ -372,11 +370,11 @@ def current_header(text: str) -> List[str]:
 
 
 def _main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/estimate_memory.py", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="estimate_memory", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("configs", nargs="+", help="run config args files (configs/qwen3-*.args)")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: the Libra pool size)")
     parser.add_argument("--write", action="store_true", help="write the block into each config's header")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    add_debug_argument(parser)
     args = parser.parse_args(argv)
     for path in args.configs:
         lines = header_lines(path, args.dp)

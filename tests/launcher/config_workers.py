@@ -8,7 +8,7 @@ count, hidden sizes and expert count and (b) what a CPU gloo job cannot run, eac
 Megatron's parse_args/validate_args/global vars, the patched ``initialize_model_parallel`` (Libra's config
 check, pool groups, planner), the model from ``gpt_builders.gpt_builder`` with the config's own ``--spec``,
 Megatron's dataset provider + the patched loader, and ``pretrain_gpt.forward_step`` + ``loss_func`` +
-backward, once with the step's Libra plan and once with plain per-sample attention (the reference).
+backward with the step's Libra plan and, once per model, with plain per-sample attention (the reference).
 """
 from __future__ import annotations
 
@@ -105,16 +105,20 @@ def scaled_config_argv(config_argv: List[str], moe: bool) -> Tuple[List[str], Di
     return out + TEST_ONLY_FLAGS, changed
 
 
-def config_step(rank: int, world_size: int, repo: str, configs: List[str], data_prefix: str, work: str) -> dict:
-    """Per rank: every config in turn (fresh args, groups, model); results by config name."""
+def config_step(rank: int, world_size: int, repo: str, configs: List[str], data_prefix: str, work: str,
+                with_reference: List[str]) -> dict:
+    """Per rank: every config in turn (fresh args, groups, model); results by config name. The plain-attention
+    reference step runs for the configs named in ``with_reference`` (it depends only on the scaled model and
+    the data, which a model's 256K and 1M configs share)."""
     import os
 
     os.chdir(repo)  # the configs name their includes and YAML relative to the repository root
     put_megatron_lm_on_path()
-    return {Path(c).stem: _one_config(rank, world_size, c, data_prefix, f"{work}/{Path(c).stem}") for c in configs}
+    return {Path(c).stem: _one_config(world_size, c, data_prefix, f"{work}/{Path(c).stem}",
+                                      Path(c).stem in with_reference) for c in configs}
 
 
-def _one_config(rank, world_size, config, data_prefix, work):
+def _one_config(world_size, config, data_prefix, work, reference):
     from megatron.core import parallel_state
     from megatron.training.global_vars import unset_global_variables
 
@@ -122,7 +126,7 @@ def _one_config(rank, world_size, config, data_prefix, work):
     try:
         out = {"changed": changed, "spec": list(args.spec), "norm_epsilon": args.layernorm_epsilon,
                "attention_dropout": args.attention_dropout, "hidden_dropout": args.hidden_dropout}
-        out.update(_build_and_step(hooks, args))
+        out.update(_build_and_step(hooks, args, reference))
         return out
     finally:
         parallel_state.destroy_model_parallel()  # patched: closes the planner, destroys the pool groups
@@ -162,9 +166,7 @@ def _start(world_size, config, data_prefix, work):
     return hooks, patcher, args, changed
 
 
-def _build_and_step(hooks, args) -> dict:
-    import torch
-
+def _build_and_step(hooks, args, reference: bool) -> dict:
     import gpt_builders
     import megatron.training.training as training
     import pretrain_gpt
@@ -181,7 +183,8 @@ def _build_and_step(hooks, args) -> dict:
     train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider([8, 0, 0])
     swap_get_batch(pretrain_gpt.forward_step, hooks.make_get_batch)
     out["libra"] = _forward_backward(model, pretrain_gpt, training, train_ds)
-    out["plain"] = _forward_backward(model, pretrain_gpt, training, train_ds, drop_plan=True)
+    if reference:
+        out["plain"] = _forward_backward(model, pretrain_gpt, training, train_ds, drop_plan=True)
     return out
 
 

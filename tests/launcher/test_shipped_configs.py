@@ -5,7 +5,7 @@
    Qwen3 settings the model needs (dropout 0, RMSNorm eps 1e-6, the run's --spec, explicit expert TP).
 2. Scaled down (``config_workers``): layers, hidden sizes and expert counts only, plus the listed CPU
    substitutions; the model built with the config's --spec and one Libra forward + backward on 2 gloo ranks,
-   against the same step with plain per-sample attention.
+   against the same step with plain per-sample attention (once per model).
 
 Megatron-LM comes from ``libra_megatron.megatron_lm.get_megatron_lm()``; without it these tests skip, except
 under CI (``CI`` set), where they fail.
@@ -120,7 +120,8 @@ def stepped(megatron_lm, tmp_path_factory):
     build_indexed_dataset_from_trace(find_trace("wikipedia-flexsp.txt"), prefix, vocab_size=VOCAB_WITHOUT_EOD + 1,
                                      eod=VOCAB_WITHOUT_EOD, max_docs=400)
     work = str(tmp_path_factory.mktemp("runs"))
-    results = run_distributed(config_step, 2, str(REPO), [str(c) for c in RUN_CONFIGS], prefix, work,
+    references = [c.stem for c in RUN_CONFIGS if c.stem.endswith("-256k")]
+    results = run_distributed(config_step, 2, str(REPO), [str(c) for c in RUN_CONFIGS], prefix, work, references,
                               timeout=600, env={"MEGATRON_LM_PATH": megatron_lm})
     return results
 
@@ -146,10 +147,11 @@ def test_only_size_flags_and_listed_cpu_substitutions_change(stepped):
 
 
 def test_one_libra_step_matches_plain_attention_for_every_config(stepped):
-    """bf16 model: loss within 1e-2 and grad norm within 5e-2 relative of plain per-sample attention."""
+    """bf16 model: loss within 1e-2 and grad norm within 5e-2 relative of plain per-sample attention. A model's
+    256K and 1M configs scale down to the same model and data, so they share the 256K run's reference."""
     for rank in stepped:
         for name, r in rank.items():
-            libra, plain = r["libra"], r["plain"]
+            libra, plain = r["libra"], rank[name.replace("-1m", "-256k")]["plain"]
             assert libra["finite"] and plain["finite"] and libra["params_without_grad"] == 0, name
             assert abs(libra["loss"] - plain["loss"]) <= 1e-2 * abs(plain["loss"]), (name, libra, plain)
             assert abs(libra["grad_norm"] - plain["grad_norm"]) <= 5e-2 * plain["grad_norm"], (name, libra, plain)
