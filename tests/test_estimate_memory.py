@@ -107,3 +107,17 @@ def test_cli_prints_the_block_and_reports_bad_input_in_one_line(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "estimate_memory.py"), str(tmp_path / "nope.args")],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "estimate_memory: error:" in bad.stderr
+
+
+def _worst_total(config):
+    return max(float(line.rsplit("total ", 1)[1].split()[0]) for line in em.header_lines(str(config)) if "total" in line)
+
+
+def test_memory_tables_in_readme_and_launcher_doc_are_the_scripts_numbers():
+    for doc in (REPO / "README.md", REPO / "docs" / "launcher.md"):
+        rows = {}
+        for line in doc.read_text(encoding="utf-8").splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| qwen3-") and len(cells) >= 3:
+                rows[cells[0]] = float(cells[-1].split()[0])
+        assert rows == {c.stem: _worst_total(c) for c in RUN_CONFIGS}, doc.name
