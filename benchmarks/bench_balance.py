@@ -1,4 +1,4 @@
-"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shared real traces; tilings and KV fetch side by side.
+"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shipped real traces; tilings and KV fetch side by side.
 
 Run:  .venv/bin/python benchmarks/bench_balance.py [--windows N] [--cases NAME ...] [--head-splits H ...]
                                                    [--skip-inter] [--jobs N]
@@ -15,8 +15,7 @@ paper's uniform+group at H=1 is in the same run:
     step ms    the simulator's estimated step (per attention layer forward; its time model, not a measurement)
     vs LB      estimated straggler over the perfectly balanced, communication-free lower bound
 (Splitting rules and Eq. 8 costing are compared in ``benchmarks/bench_tiling.py``.)
-Traces: linux-6.12 ships in data/traces; wikipedia-flexsp is read through ``plan.traces.find_trace``
-(``$LIBRA_TRACE_DIR``, data/traces, or ../shared/data/traces beside the checkout).
+Traces: both ship in data/traces (read through ``plan.traces.find_trace``).
 """
 from __future__ import annotations
 
