@@ -9,8 +9,8 @@ Shape legend (one chunk m of the Pipeliner, §4.4):
     arranged KV (K|V stacked) (kv_route.target_len, 2*kp, d)
 A route moves *units*; one unit is one row of the views above, so split sizes are row counts.
 
-Forward routes place (arranged = received[place], ``place`` = the inverse permutation of the route's
-recv_index); inverse routes accumulate (``index_add_``), casting the received rows to the target's dtype
+Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
+so every row is written once); inverse routes accumulate (``index_add_``), casting the received rows to the target's dtype
 so a float32 target sums low-precision fragments in float32. Index tensors are int32 (``plan.rank_tables``)
 and device tables live in a small LRU (``DeviceTables``). Every exchange is launched with
 ``async_op=True``; its ``PendingExchange`` is waited on only right before the tensor is used.
@@ -21,7 +21,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple  # noqa: F401
 
 import torch
 import torch.distributed as dist
@@ -66,19 +66,16 @@ class RouteIndex:
     """One route of one chunk on the device.
 
     send_rows  int32 [n_send]  rows of the source buffer, grouped by destination rank
-    place      int32 [target_len] forward routes: arranged = received[place]; None for inverse routes
-    recv_rows  int32 [n_recv]  inverse routes: target rows the received rows are added to; else None
+    recv_rows  int32 [n_recv]  rows of the target buffer the received rows land on (forward: a permutation
+               of the arranged rows, placed; inverse: local rows, accumulated)
     splits     send/recv rows per rank (Python ints) and rows sent to other ranks
+    accumulate inverse routes add (several destinations and chunks feed one local row)
     """
 
     send_rows: torch.Tensor
-    place: Optional[torch.Tensor]
-    recv_rows: Optional[torch.Tensor]
+    recv_rows: torch.Tensor
     splits: RouteSplits
-
-    @property
-    def accumulate(self) -> bool:
-        return self.recv_rows is not None
+    accumulate: bool
 
 
 @dataclass(frozen=True)
@@ -100,16 +97,22 @@ class DeviceTables:
 
 
 def _upload(tables: RankTables, device) -> DeviceTables:
-    up = lambda a: host_to_device(a, device)  # noqa: E731
-    q_place, kv_place, q_arr, kv_arr = up(tables.q_place), up(tables.kv_place), up(tables.q_arranged), up(tables.kv_arranged)
+    uploaded = {}
+
+    def up(array):  # arrays shared by several chunks (shared kv pieces) are uploaded once
+        if id(array) not in uploaded:
+            uploaded[id(array)] = host_to_device(array, device)
+        return uploaded[id(array)]
+
+    q_arr, kv_arr = up(tables.q_arranged), up(tables.kv_arranged)
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
         q_rows, kv_rows = up(q_send), up(kv_send)
         chunks.append(ChunkRoutes(
-            q_fwd=RouteIndex(q_rows, q_place, None, tables.q_splits),
-            kv_fwd=RouteIndex(kv_rows, kv_place, None, tables.kv_splits),
-            q_inv=RouteIndex(q_arr, None, q_rows, tables.q_back_splits),
-            kv_inv=RouteIndex(kv_arr, None, kv_rows, tables.kv_back_splits),
+            q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
+            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False),
+            q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=True),
+            kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
     bounds = _bounds(tables)
     batch = VarlenBatch(cu_q=up(tables.cu_q), cu_k=up(tables.cu_k), max_q=max(tables.q_lens, default=0),
@@ -189,8 +192,10 @@ class PendingExchange:
         return self.received
 
     def placed(self) -> torch.Tensor:
-        """Wait, then return the arranged buffer of a forward route (target_len rows)."""
-        return self.wait().index_select(0, self.index.place)
+        """Wait, then return the arranged buffer of a forward route (every row written exactly once)."""
+        received = self.wait()
+        target = torch.empty_like(received)
+        return target.index_put_((self.index.recv_rows,), received)
 
     def into(self, target: torch.Tensor) -> torch.Tensor:
         """Wait, then add the received rows of an inverse route into ``target`` (in target's dtype)."""
