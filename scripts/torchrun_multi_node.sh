@@ -8,16 +8,15 @@
 # GPUS_PER_NODE (default 8), MASTER_PORT (default 6000), PYTHON (default python).
 # World size = NNODES*GPUS_PER_NODE; DP = world/(TP*PP*CP) must be a multiple of the Libra pool size P.
 set -euo pipefail
-if [ "$#" -lt 1 ]; then
-  echo "usage: $0 CONFIG.args [pretrain_gpt flags...]" >&2
-  exit 2
-fi
+# A user error is one line "<script>: error: <message>" on stderr and exit 2 (as every tool of the project).
+die() { echo "$(basename "$0"): error: $*" >&2; exit 2; }
+[ "$#" -ge 1 ] || die "give a run config: $0 CONFIG.args [pretrain_gpt flags...]"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="$1"; shift
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)}"
-: "${NNODES:?set NNODES (number of nodes)}"
-: "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on every node}"
-: "${MASTER_ADDR:?set MASTER_ADDR (hostname of node 0)}"
+[ -n "${MEGATRON_LM_PATH:-}" ] || die "set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"
+[ -n "${NNODES:-}" ] || die "set NNODES (number of nodes)"
+[ -n "${NODE_RANK:-}" ] || die "set NODE_RANK (0..NNODES-1) on every node"
+[ -n "${MASTER_ADDR:-}" ] || die "set MASTER_ADDR (hostname of node 0)"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MASTER_PORT="${MASTER_PORT:-6000}"
 PYTHON="${PYTHON:-python}"

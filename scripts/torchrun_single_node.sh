@@ -9,6 +9,9 @@
 # Every argument after the config is passed to pretrain_gpt.py unchanged (later flags win).
 # It is the multi-node launcher with NNODES=1, NODE_RANK=0.
 set -euo pipefail
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)}"
+if [ -z "${MEGATRON_LM_PATH:-}" ]; then
+  echo "$(basename "$0"): error: set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)" >&2
+  exit 2
+fi
 NNODES=1 NODE_RANK=0 MASTER_ADDR="${MASTER_ADDR:-localhost}" \
   exec bash "$(dirname "${BASH_SOURCE[0]}")/torchrun_multi_node.sh" "$@"
