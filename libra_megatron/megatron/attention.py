@@ -49,7 +49,7 @@ from ..config import KernelBackendName, SaveModeName
 __all__ = ["LibraCoreAttention", "local_causal_attention_thd", "host_sample_bounds"]
 
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
-_VERIFIED_ATTR = "_libra_verified"  # set on a carrier once its plan was verified (first Libra layer)
+_VERIFIED_ATTR = "_libra_verified_plan"  # the plan a carrier's first Libra layer verified
 _BOUNDS_ATTR = "_libra_host_bounds"  # host sample boundaries cached on a foreign carrier
 
 
@@ -236,8 +236,8 @@ class LibraCoreAttention(MegatronModule):
         # here on one rank only would leave its peers waiting in the first collective).
         from ..runtime import libra_attn_func  # lazy: keeps module import light
 
-        verify = not getattr(packed_seq_params, _VERIFIED_ATTR, False)
+        verify = getattr(packed_seq_params, _VERIFIED_ATTR, None) is not plan  # a fresh carrier or a new plan
         out = libra_attn_func(q, k, v, plan, self.pool_group(), softmax_scale=self.softmax_scale, backend=backend,
                               qkv_format="thd", save_mode=mode.value, verify=verify, check_group=self.check_group())
-        setattr(packed_seq_params, _VERIFIED_ATTR, True)
+        setattr(packed_seq_params, _VERIFIED_ATTR, plan)
         return out

@@ -83,9 +83,11 @@ def _run_module_from_yaml(rank: int, world_size: int, config_dicts: dict) -> dic
                                                       lambda t: t):
             result = module(q, k, v, None, packed_seq_params=carrier)
         result.sum().backward()
+        first_call = seen[-1]
+        module(q, k, v, None, packed_seq_params=carrier)  # a second layer of the same microbatch
         predicted = {m: int(saved_bytes_per_rank(planned.pool_plan.exchange, heads, L, m)[rank])
                      for m in ("arranged", "refetch")}
-        out[name] = dict(call=seen[-1], carrier=(carrier.libra_kernel_backend, carrier.libra_save_mode),
+        out[name] = dict(call=first_call, second_verify=seen[-1]["verify"], carrier=(carrier.libra_kernel_backend, carrier.libra_save_mode),
                          saved=sum(saved), predicted=predicted)
     runtime.libra_attn_func = original
     return out
@@ -100,6 +102,7 @@ def test_kernel_backend_and_save_mode_from_yaml_reach_the_attention_call(tmp_pat
             r = result[name]
             assert r["carrier"] == ("torch", mode), (name, rank, r)
             assert r["call"] == {"backend": "torch", "save_mode": mode, "verify": True}, (name, rank, r)
+            assert r["second_verify"] is False  # one verification per microbatch, not per layer
             assert r["saved"] == r["predicted"][mode], (name, rank, r)  # what ran kept what that mode keeps
 
 
