@@ -86,8 +86,8 @@ def main() -> None:
     for name in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         try:
             traces[name.split("-")[0]] = pools_of(pack(load_trace(find_trace(name)), L), args.pools)
-        except FileNotFoundError:
-            print(f"({name} not found; skipped)")
+        except ValueError as exc:  # find_trace: not in data/traces, ../shared or $LIBRA_TRACE_DIR
+            print(f"({name}: {exc}; skipped)")
     print(f"1M H={H} M={M} B={B} P={P} CP={CP}; load average {os.getloadavg()[0]:.1f}; ms per (pool, worker)")
     print(f"{'trace':<10}{'heads':<21}{'clock':<6}{'pool':>7}{'rank':>7}{'tables':>8}{'ready med':>11}{'p90':>8}"
           f"{'max':>8}{'<=50ms':>8}")
