@@ -6,8 +6,8 @@ passed by ``build_planner_from_args``): ``plan_pool`` (tiles, Alg. 2, exchange p
 window arrives -> the first pool's own plan is ready after exactly this much work (later pools of the
 window queue behind it while earlier microbatches compute).
 
-Per case: P=8, CP=16 (128 workers), B=8192, H=4, M=4, tau=0.03, zigzag, real linux-6.12 (and wikipedia,
-when ``../shared`` has it) pools after refined VRSP over GBS=128 windows. Every worker of every pool is
+Per case: P=8, CP=16 (128 workers), B=8192, H=4, M=4, tau=0.03, zigzag, real linux-6.12 and wikipedia
+(both ship in data/traces) pools after refined VRSP over GBS=128 windows. Every worker of every pool is
 timed on a fresh ExchangePlan (nothing cached). Clock: thread CPU time (robust on a shared box) and wall.
 Also: ``rank_ready_s`` of the first pool of a submitted window through the real ``BackgroundPlanner``.
 
@@ -86,7 +86,7 @@ def main() -> None:
     for name in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         try:
             traces[name.split("-")[0]] = pools_of(pack(load_trace(find_trace(name)), L), args.pools)
-        except ValueError as exc:  # find_trace: not in data/traces, ../shared or $LIBRA_TRACE_DIR
+        except ValueError as exc:  # find_trace: not in $LIBRA_TRACE_DIR or data/traces
             print(f"({name}: {exc}; skipped)")
     print(f"1M H={H} M={M} B={B} P={P} CP={CP}; load average {os.getloadavg()[0]:.1f}; ms per (pool, worker)")
     print(f"{'trace':<10}{'heads':<21}{'clock':<6}{'pool':>7}{'rank':>7}{'tables':>8}{'ready med':>11}{'p90':>8}"
