@@ -19,6 +19,7 @@ from ..config import (
     KernelBackendName,
     LibraConfig,
     PackingMode,
+    SaveModeName,
     SequencePlacement,
     TilePlacement,
     TokenLayoutKind,
@@ -37,6 +38,7 @@ _FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
     "pool_size": int, "head_split": int, "block_size": int, "num_chunks": int, "tau": float,
     "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
     "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
+    "save_mode": SaveModeName, "activation_budget_gb": float,
     "tiling": TilingPolicy, "kv_fetch": KvFetch,
 }
 _HELP = {
@@ -47,9 +49,14 @@ _HELP = {
     "tau": "Load slack of Algorithm 2: target (1+tau) * mean worker load.",
     "sequence_placement": "VRSP placement of packed sequences into pools.",
     "tile_placement": "SH-Tile placement inside a pool.",
-    "packing": "Packing of the simulator / synthetic corpora (GPTDataset training packs megatron-style).",
+    "packing": "Packing of the simulator / synthetic corpora; Megatron-LM runs accept only 'megatron' "
+               "(GPTDataset packs that way).",
     "kernel_backend": "Attention kernel of the Libra operator.",
     "token_layout": "CP token layout of each packed sequence.",
+    "save_mode": "What the Libra operator keeps for backward; auto decides per pool plan against "
+                 "--libra-activation-budget-gb.",
+    "activation_budget_gb": "GiB per GPU that save_mode=auto lets kept attention tensors use for one microbatch "
+                            "(all layers of the pipeline stage).",
     "tiling": "SH-Tile blocks: uniform (paper) or adaptive (heavy blocks halved).",
     "kv_fetch": "K/V fetched per document: group (paper, whole) or prefix (causal prefix only).",
 }
@@ -129,6 +136,7 @@ def libra_config_from_args(args: Any) -> LibraConfig:
     path = getattr(args, "libra_config", None)
     base = LibraConfig.from_yaml(path, flag="--libra-config") if path is not None else LibraConfig()
     config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
+    _check_packing(config)
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
     gbs = getattr(args, "global_batch_size", None)
     return config.validate(
@@ -140,6 +148,16 @@ def libra_config_from_args(args: Any) -> LibraConfig:
         micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
         global_batch_size=int(gbs) if gbs is not None else None,
     )
+
+
+def _check_packing(config: LibraConfig) -> None:
+    """``packing`` cannot change how GPTDataset packs, so anything but 'megatron' is refused (not ignored)."""
+    if config.packing is not PackingMode.MEGATRON:
+        raise ValueError(
+            f"{config._name('packing')} = {config.packing.value} has no effect in Megatron-LM runs: GPTDataset "
+            f"packs megatron-style (concatenate documents, cut every --seq-length tokens). Use packing: megatron "
+            f"here; other packings drive the simulator and synthetic corpora only"
+        )
 
 
 def _describe_sources(config: LibraConfig, args: Any) -> str:

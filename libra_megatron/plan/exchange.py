@@ -143,6 +143,8 @@ class ExchangePlan:
     bytes_q: int = 0  # pool totals per layer forward, remote only
     bytes_kv: int = 0
     bytes_o: int = 0
+    arranged_q_units: np.ndarray = None  # int64 [W]: Q units each destination hosts (its arranged Q rows)
+    arranged_kv_units: np.ndarray = None  # int64 [W]: KV units each destination fetches (its arranged KV rows)
 
     @property
     def num_workers(self) -> int:
@@ -192,13 +194,22 @@ class _Varlen:
 
 
 def _expand(start: np.ndarray, count: np.ndarray, stride: int) -> np.ndarray:
-    """Concatenation of ``start[i] + stride*arange(count[i])`` over i, int64, vectorised."""
+    """Concatenation of ``start[i] + stride*arange(count[i])`` over i, int64, vectorised.
+
+    One output buffer and two passes (per-rank materialisation moves millions of units at 1M tokens):
+    fill with ``stride``, put each piece's jump from the previous piece's last value at its first slot,
+    then an in-place cumulative sum."""
+    count = np.asarray(count, dtype=np.int64)
     total = int(count.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    first = np.cumsum(count) - count
-    within = np.arange(total, dtype=np.int64) - np.repeat(first, count)
-    return np.repeat(start, count) + stride * within
+    keep = count > 0
+    start, count = np.asarray(start, dtype=np.int64)[keep], count[keep]
+    last = start + stride * (count - 1)
+    out = np.full(total, stride, dtype=np.int64)
+    out[np.cumsum(count) - count] = start - np.concatenate([[0], last[:-1]])
+    np.cumsum(out, out=out)
+    return out
 
 
 def _segment_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
@@ -499,4 +510,5 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     return ExchangePlan(
         ranks=_LazyRankPlans(tables), assignment=assignment, fingerprint=fp,
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
+        arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
     )
