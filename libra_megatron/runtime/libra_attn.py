@@ -20,9 +20,10 @@ the destination over its chunks and returned once, after the last (``kv_return_c
 
 Precision: every sum of dK|dV fragments runs in fp32 (fp64 for fp64 inputs): the varlen entries that
 share key rows at a destination, and the chunks that share a kv piece, are added into an fp32 arranged
-buffer, which is cast once to the input dtype for the return exchange, and the home adds every
-destination's fragment into an fp32 local buffer, cast once at the end. O and dQ rows have exactly one
-source, so they are never summed.
+buffer, which goes home cast once to the input dtype -- or, when it sums several chunks (shared kv piece),
+in fp32 (one rounding of a larger partial sum would double the error; the fp32 wire is no more bytes than
+the per-chunk returns it replaces) -- and the home adds every destination's fragment into an fp32 local
+buffer, cast once at the end. O and dQ rows have exactly one source, so they are never summed.
 
 Per layer (a verified call key): the exchange's all_to_all_single calls and nothing else -- no other
 collective, no host read of a device value. The first call with a new key verifies it (``checks``).
@@ -191,6 +192,9 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
     incoming = _bwd_inputs(cx, 0, dout_view, saved, local)
     outgoing, kv_arr, dkv_arr = [], None, None
     returns = heads.kv_return_chunks()  # dK|dV of a kv piece goes home after the last chunk reading it
+    # a sum over several chunks goes home in the accumulation dtype: no rounding between the destination's and
+    # the home's fp32 sums, and no more bytes than the per-chunk returns it replaces (2x wire, >= 2x fewer rows)
+    dkv_wire = dout.dtype if returns.all() else cx.acc_dtype
     for m in range(heads.num_chunks):
         current = incoming
         if m + 1 < heads.num_chunks:
@@ -198,7 +202,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
         returning = [(_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view)]
         if returns[m]:
-            returning.append((_return(cx, dkv_arr, m, "kv_inv", "dkv", dout.dtype), dkv_local))
+            returning.append((_return(cx, dkv_arr, m, "kv_inv", "dkv", dkv_wire), dkv_local))
             kv_arr = dkv_arr = None
         for pending, target in outgoing:
             pending.into(target)
@@ -220,12 +224,14 @@ class _LibraAttnFunction(torch.autograd.Function):
         if not needs_grad:
             return out
         flat = [t for chunk in saved for t in chunk]
-        autograd_ctx.chunk_len = len(saved[0])
+        first = {}  # chunks reusing a kv piece hold the same K|V tensor: save it once
+        autograd_ctx.slots = [first.setdefault(id(t), len(first)) for t in flat]
+        distinct = list({id(t): t for t in flat}.values())
+        autograd_ctx.chunk_len, autograd_ctx.num_distinct = len(saved[0]), len(distinct)
         extra = [q, k, v, out] if save_mode is SaveMode.REFETCH else []
-        autograd_ctx.save_for_backward(*flat, *extra)
+        autograd_ctx.save_for_backward(*distinct, *extra)
         if cx.stats is not None:
-            distinct = {id(t): t for t in flat + extra}.values()  # chunks reusing a kv piece save one K|V
-            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in distinct)
+            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in distinct + extra)
         return out
 
     @staticmethod
@@ -233,10 +239,11 @@ class _LibraAttnFunction(torch.autograd.Function):
         cx, n = autograd_ctx.cx, autograd_ctx.chunk_len
         tensors = autograd_ctx.saved_tensors
         M = cx.plan.heads.num_chunks
-        saved = [tuple(tensors[m * n : (m + 1) * n]) for m in range(M)]
+        flat = [tensors[i] for i in autograd_ctx.slots]
+        saved = [tuple(flat[m * n : (m + 1) * n]) for m in range(M)]
         local = None
         if autograd_ctx.save_mode is SaveMode.REFETCH:
-            q, k, v, out = tensors[M * n :]
+            q, k, v, out = tensors[autograd_ctx.num_distinct :]
             local = _views(q, k, v, cx.plan.heads) + (out.reshape(-1, cx.plan.heads.q_piece, cx.plan.heads.head_dim),)
         dq, dk, dv = _bwd(cx, dout.contiguous(), saved, local, autograd_ctx.k_shape)
         return dq, dk, dv, None, None

@@ -108,7 +108,7 @@ def test_cases_cover_the_required_grid():
 
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_one_document_split_adaptively_across_many_workers_matches_reference(world_size):
-    cases, _, _, results, _ = _suite(world_size)
+    cases, _, _, results, _, _ = _suite(world_size)
     case = cases[2]
     tiles, plan = build_plan(case)
     whole = np.flatnonzero(tiles.block_seq == 0)  # sequence 0 is one document
