@@ -11,7 +11,8 @@ Per case: P=8, CP=16 (128 workers), B=8192, H=4, M=4, tau=0.03, zigzag, real lin
 timed on a fresh ExchangePlan (nothing cached). Clock: thread CPU time (robust on a shared box) and wall.
 Also: ``rank_ready_s`` of the first pool of a submitted window through the real ``BackgroundPlanner``.
 
-    .venv/bin/python benchmarks/bench_plan_ready.py [--pools 4] [--workers all|N]
+    .venv/bin/python benchmarks/bench_plan_ready.py [--pools 4] [--workers all|N] [--tiling uniform|adaptive]
+                                                    [--kv-fetch group|prefix]
 """
 from __future__ import annotations
 
@@ -77,10 +78,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pools", type=int, default=4)
     ap.add_argument("--workers", default="all", help="'all' (128) or a number of evenly spaced workers")
+    ap.add_argument("--tiling", default="adaptive", choices=["uniform", "adaptive"], help="uniform = the paper")
+    ap.add_argument("--kv-fetch", default="prefix", choices=["group", "prefix"], help="group = the paper")
     args = ap.parse_args()
     workers = list(range(P * CP)) if args.workers == "all" else list(np.linspace(0, P * CP - 1, int(args.workers),
                                                                                     dtype=int))
-    config = LibraConfig(pool_size=P, head_split=H, block_size=B, num_chunks=M)
+    config = LibraConfig(pool_size=P, head_split=H, block_size=B, num_chunks=M, tiling=args.tiling,
+                         kv_fetch=args.kv_fetch)
     layout = TokenLayout("zigzag", L, CP)
     traces = {}
     for name in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
@@ -88,7 +92,8 @@ def main() -> None:
             traces[name.split("-")[0]] = pools_of(pack(load_trace(find_trace(name)), L), args.pools)
         except ValueError as exc:  # find_trace: not in $LIBRA_TRACE_DIR or data/traces
             print(f"({name}: {exc}; skipped)")
-    print(f"1M H={H} M={M} B={B} P={P} CP={CP}; load average {os.getloadavg()[0]:.1f}; ms per (pool, worker)")
+    print(f"1M H={H} M={M} B={B} P={P} CP={CP} tiling={args.tiling} kv_fetch={args.kv_fetch}; load average "
+          f"{os.getloadavg()[0]:.1f}; ms per (pool, worker)")
     print(f"{'trace':<10}{'heads':<21}{'clock':<6}{'pool':>7}{'rank':>7}{'tables':>8}{'ready med':>11}{'p90':>8}"
           f"{'max':>8}{'<=50ms':>8}")
     for trace, pools in traces.items():

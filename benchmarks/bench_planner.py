@@ -5,7 +5,8 @@ Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R] [--cpu
 Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
 Megatron-style), for the paper's tiles (uniform blocks, whole-group KV fetch) and ours (adaptive blocks,
 prefix fetch): build_tiles, place_tiles(ALG2), build_exchange_plan, and the per-rank plan a rank waits for
-(its RankPlan, the slowest of 8 ranks spread over the pool) -- what one rank needs before its first step.
+(its RankPlan and int32 row tables, the slowest of 8 ranks spread over the pool) -- what one rank needs
+before its first step.
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
@@ -34,6 +35,7 @@ from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 
 from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
+from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
 
 POOL_SIZE = 8
 CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
@@ -70,8 +72,10 @@ def pools_of(segs, num_pools):
 
 
 def _rank_plan_ms(plan, num_workers: int) -> float:
-    """Slowest RankPlan materialisation among ``RANK_SAMPLES`` ranks spread over the pool (ms)."""
-    return max(timed(plan.ranks.__getitem__, r)[1] for r in range(0, num_workers, max(1, num_workers // RANK_SAMPLES)))
+    """Slowest own plan of ``RANK_SAMPLES`` ranks spread over the pool: its RankPlan + int32 row tables (ms)."""
+    def own_plan(rank):
+        return build_rank_tables(plan.ranks[rank])
+    return max(timed(own_plan, r)[1] for r in range(0, num_workers, max(1, num_workers // RANK_SAMPLES)))
 
 
 def bench_case(segs_by_trace, case, num_pools, reps, mode):
@@ -125,7 +129,7 @@ def main() -> None:
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
     print(f"{'case':<11}{'mode':<6}{'trace':<10}{'tiles':>6}{'build':>8}{'place':>8}{'place90':>9}{'exch':>8}"
           f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}   (ms, medians; rank = slowest of "
-          f"{RANK_SAMPLES} ranks' RankPlan; total = build + place + exch + rank)")
+          f"{RANK_SAMPLES} ranks' RankPlan + tables; total = build + place + exch + rank)")
     for case in CASES:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)
