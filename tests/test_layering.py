@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "libra_megatron"
+PATCHES = PACKAGE.parent / "patches"  # installs as libra_megatron.patches (setup.py package_dir)
 
 FRESH_IMPORT = r"""
 import importlib, pkgutil, sys
@@ -34,10 +35,16 @@ def test_plan_and_sim_import_without_torch_or_megatron():
         assert "libra_megatron." + module in proc.stdout
 
 
+def _module_parts(path: Path):
+    if PATCHES in path.parents:
+        return ("libra_megatron", "patches") + path.relative_to(PATCHES).with_suffix("").parts
+    return path.relative_to(PACKAGE.parent).with_suffix("").parts
+
+
 def _imports(path: Path):
     """Absolute module names imported by a file (relative imports resolved against its package)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    package = ".".join(_module_parts(path)[:-1])
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -91,6 +98,29 @@ def test_plan_and_sim_import_neither_torch_nor_runtime():
         if _top(m) in ("torch", "megatron") or m.startswith(("libra_megatron.runtime", "libra_megatron.megatron"))
     ]
     assert offenders == []
+
+
+# Being moved into testing/ by issue 7's CPU-driver change; remove the entry when it lands.
+_PRODUCT_IMPORTING_TESTING_PENDING_MOVE = {PACKAGE / "megatron" / "train_cpu.py"}
+
+
+def test_product_code_never_imports_testing():
+    """testing/ (CPU shims, the pretrain harness, references) is for tests and scripts/cpu_pretrain.sh only."""
+    product = [f for f in _files() if PACKAGE / "testing" not in f.parents]
+    product += sorted(PATCHES.rglob("*.py")) + sorted((PACKAGE.parent / "scripts").glob("*.py"))
+    offenders = [
+        (str(f.relative_to(PACKAGE.parent)), m)
+        for f in product
+        if f not in _PRODUCT_IMPORTING_TESTING_PENDING_MOVE
+        for m in _imports(f)
+        if m.startswith("libra_megatron.testing")
+    ]
+    assert offenders == []
+
+
+def test_patches_resolve_as_libra_megatron_patches():
+    assert "libra_megatron.patches._base" in _imports(PATCHES / "get_batch.py")
+    assert "libra_megatron.megatron_lm.missing_package_error" in _imports(PATCHES / "_base.py")
 
 
 def test_import_scanner_sees_relative_and_absolute_imports():
