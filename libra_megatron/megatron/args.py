@@ -10,10 +10,14 @@ the YAML shows what actually ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
+import sys
 from dataclasses import fields
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
 
 from ..config import (
     KernelBackendName,
@@ -25,7 +29,8 @@ from ..config import (
     flag_name,
 )
 
-__all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "CONFIG_FILE_NAME"]
+__all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "parse_megatron_args",
+           "print_megatron_help", "CONFIG_FILE_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,3 +169,38 @@ def _is_rank_zero() -> bool:
     except ImportError:  # pragma: no cover
         return True
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def parse_megatron_args(program: Path, megatron_argv: Sequence[str]) -> argparse.Namespace:
+    """Megatron-LM's own ``parse_args`` (``--libra-*`` added) on ``megatron_argv``, quietly: the launcher's
+    view of what Megatron will use, defaults included, before anything starts.
+
+    Unknown flags are left to the program's real parse (its ``extra_args_provider`` may add some). An
+    argparse error becomes a one-line ValueError carrying argparse's message.
+    """
+    from megatron.training.arguments import parse_args
+
+    err = io.StringIO()
+    saved = sys.argv
+    sys.argv = [str(program)] + list(megatron_argv)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return parse_args(add_libra_args, ignore_unknown_args=True)
+    except SystemExit as exit_:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        raise ValueError(lines[-1].split("error: ", 1)[-1] if lines else f"argparse exited with {exit_.code}")
+    finally:
+        sys.argv = saved
+
+
+def print_megatron_help(program: Path) -> None:
+    """Megatron-LM's ``--help`` for ``program``, with the ``--libra-*`` flags."""
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = [str(program), "--help"]
+    try:
+        with contextlib.suppress(SystemExit):
+            parse_args(add_libra_args)
+    finally:
+        sys.argv = saved
