@@ -9,7 +9,6 @@ seconds per window for jobs=1 and jobs=2 side by side (and their ratio), the sha
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import os
 import pstats
@@ -18,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from libra_megatron.cli import ArgumentParser, run_cli  # noqa: E402
 from libra_megatron.plan.traces import load_traces  # noqa: E402
 from libra_megatron.sim.__main__ import build_parser, spec_from_args  # noqa: E402
 from libra_megatron.sim.runner import run_simulation  # noqa: E402
@@ -48,11 +48,11 @@ def _placement_share(docs, spec) -> float:
     return placed / total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv=None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", required=True, action="append")
     parser.add_argument("--windows", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     docs = load_traces(args.trace)
     spec = _spec(args.trace[0], args.windows)
     serial, rep1 = _timed(docs, spec, 1)
@@ -62,6 +62,11 @@ def main() -> None:
     print(f"{'jobs=1 s/window':>16} {'jobs=2 s/window':>16} {'speedup':>8} {'identical':>10}")
     print(f"{serial / n:16.2f} {forked / n:16.2f} {serial / forked:8.2f} {str(rep1 == rep2):>10}")
     print(f"share of serial wall time in place_tiles (profiled run): {_placement_share(docs, spec):.0%}")
+
+
+
+def main(argv=None) -> None:
+    run_cli("bench_sim.py", run, argv)
 
 
 if __name__ == "__main__":

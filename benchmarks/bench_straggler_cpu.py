@@ -35,6 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from libra_megatron.cli import ArgumentParser, run_cli  # noqa: E402
+from libra_megatron.paths import check_input_file, check_output_file, read_json  # noqa: E402
 from libra_megatron.plan.cost import TileCostModel, entry_features, tile_features  # noqa: E402
 from libra_megatron.plan.traces import find_trace  # noqa: E402
 from libra_megatron.testing.dist import run_distributed  # noqa: E402
@@ -194,8 +196,6 @@ def bench_rank(rank, world_size, seqs, orders, assignments, args):
 
 def load_or_calibrate(path, args):
     """(calibrated, flops-only) ``TileCostModel`` from ``path``, or from a fresh inline calibration."""
-    import json
-
     if path is None:
         import calibrate_cpu
 
@@ -204,8 +204,10 @@ def load_or_calibrate(path, args):
         data = calibrate_cpu.calibrate(hq=heads.q_piece, hkv=heads.kv_piece, head_dim=args["d"],
                                        max_key_offset=max(0, args["seq_len"] - max(calibrate_cpu.TOTAL_ROWS)))
     else:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        data = read_json(path, f"--calibration {path}")
+        if not isinstance(data, dict) or not {"model", "flops_only"} <= set(data):
+            raise ValueError(f"--calibration {path}: expected the JSON of benchmarks/calibrate_cpu.py "
+                             f"(keys 'model' and 'flops_only')")
     return TileCostModel.from_dict(data["model"]), TileCostModel.from_dict(data["flops_only"])
 
 
@@ -296,8 +298,8 @@ def report(orders, results, features, models, num_chunks):
     return dump
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv=None):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--gbs", type=int, default=8, help="packed sequences per step (multiple of P=4)")
     ap.add_argument("--hq", type=int, default=2)
@@ -317,6 +319,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.gbs % P:
         raise ValueError(f"--gbs {a.gbs} must be a multiple of P={P}")
+    if a.calibration is not None:
+        check_input_file(a.calibration, f"--calibration {a.calibration}")
+    if a.dump is not None:
+        check_output_file(a.dump, f"--dump {a.dump}")
     args = dict(seq_len=a.seq_len, hq=a.hq, hkv=a.hkv, d=a.head_dim, H=a.head_split, M=a.num_chunks,
                 block=a.block_size, tau=a.tau)
     cal, flops = load_or_calibrate(a.calibration, args)
@@ -340,6 +346,11 @@ def main(argv=None):
 
         with open(a.dump, "w", encoding="utf-8") as fh:
             json.dump(dump, fh)
+
+
+
+def main(argv=None):
+    run_cli("bench_straggler_cpu.py", run, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from libra_megatron.cli import ArgumentParser, run_cli  # noqa: E402
+from libra_megatron.paths import check_output_file  # noqa: E402
 from libra_megatron.plan.cost import FEATURES, entry_features, fit_tile_cost_model  # noqa: E402
 
 ENTRY_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -105,8 +107,8 @@ def calibrate(num_samples=64, hq=1, hkv=1, head_dim=16, reps=3, seed=0, max_key_
             "samples": samples}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv=None):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="calibration_cpu.json")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
@@ -117,6 +119,7 @@ def main(argv=None):
     ap.add_argument("--max-key-offset", type=int, default=MAX_KEY_OFFSET,
                     help="largest sample prefix before a fragment (cover the workload's sequence length)")
     a = ap.parse_args(argv)
+    check_output_file(a.out, f"--out {a.out}")  # before minutes of timing, not after
     start = time.perf_counter()
     result = calibrate(a.samples, a.hq, a.hkv, a.head_dim, a.reps, a.seed, a.max_key_offset)
     with open(a.out, "w", encoding="utf-8") as fh:
@@ -126,6 +129,11 @@ def main(argv=None):
     print("model: " + ", ".join(f"{k}={v:.3e}" for k, v in m.items()))
     print(f"mean |rel. error| on the samples: calibrated {f['mare_calibrated']:.3f}, "
           f"pairs only {f['mare_flops_only']:.3f}")
+
+
+
+def main(argv=None):
+    run_cli("calibrate_cpu.py", run, argv)
 
 
 if __name__ == "__main__":

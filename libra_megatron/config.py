@@ -1,14 +1,24 @@
 """LibraConfig: the knobs of Libra (P, H, B, M, tau) and the algorithm choices, validated against a model.
 
 Pure Python (no torch, no megatron): the planner, the simulator and the Megatron glue all read it.
-Every violation raises ``ValueError`` naming the key (or its ``--libra-*`` flag) and the arithmetic.
+Every violation raises ``ValueError`` naming the arithmetic and where the value came from: a value read
+from a YAML file is named by its key and ``file:line`` (``pool_size (configs/x.yaml:3)``), one set by a
+tool's own flag (``from_flags``) by that flag (``--pool-size``), any other by its Megatron flag and key
+(``--libra-pool-size (pool_size)``). A config remembers this per key; ``replace`` forgets it for the keys
+it changes, so a ``--libra-*`` flag that overrides the file is named as that flag.
+
+YAML format (``from_yaml``; ``to_yaml`` writes the first form): the keys under one top-level ``libra:``
+key, or all at top level -- not both. Unknown, duplicate and missing keys, syntax errors, bytes that are
+not UTF-8 and non-finite numbers are errors naming ``file:line``. A file with no keys is an error (to run
+with every default, leave ``--libra-config`` out).
 """
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import enum
+import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = [
     "LibraConfig",
@@ -78,8 +88,22 @@ def flag_name(key: str) -> str:
     return _FLAGS.get(key, "--libra-" + key.replace("_", "-"))
 
 
-def _name(key: str) -> str:
-    return f"{flag_name(key)} ({key})"
+_Label = Tuple[str, str]  # how messages name a key: (full name, short name inside arithmetic)
+
+
+def _name(key: str, label: Optional[_Label] = None) -> str:
+    """How a message names config key ``key``: its label (YAML ``key (file:line)``, a tool's own flag), else
+    ``--libra-flag (key)``."""
+    return label[0] if label else f"{flag_name(key)} ({key})"
+
+
+def _short(key: str, label: Optional[_Label] = None) -> str:
+    """The short name of ``key`` inside arithmetic (``num_attention_heads/head_split``)."""
+    return label[1] if label else flag_name(key)
+
+
+def _yaml_label(key: str, where: str) -> _Label:
+    return f"{key} ({where})", key
 
 
 @dataclass(frozen=True)
@@ -111,14 +135,38 @@ class LibraConfig:
         _coerce_enums(self)
         self._validate_standalone()
 
+    # ------------------------------------------------------------------ where values came from
+    def _labels(self) -> Dict[str, _Label]:
+        return self.__dict__.get("_key_labels", {})
+
+    def _name(self, key: str) -> str:
+        return _name(key, self._labels().get(key))
+
+    def _short(self, key: str) -> str:
+        return _short(key, self._labels().get(key))
+
+    @classmethod
+    def _build(cls, values: Mapping[str, Any], labels: Mapping[str, _Label]) -> "LibraConfig":
+        """``cls(**values)`` that knows, already while validating, how to name each value's source."""
+        config = cls.__new__(cls)
+        object.__setattr__(config, "_key_labels", dict(labels))
+        config.__init__(**values)
+        return config
+
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any], flags: Mapping[str, str]) -> "LibraConfig":
+        """Config set by a tool's own flags: errors name ``flags[key]`` (``--pool-size``), not ``--libra-*``."""
+        return cls._build(values, {key: (flag, flag) for key, flag in flags.items()})
+
     # ------------------------------------------------------------------ validation
     def _validate_standalone(self) -> None:
         for key in ("pool_size", "head_split", "block_size", "num_chunks"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_name(key)} must be a positive integer, got {value!r}")
-        if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or not self.tau >= 0:
-            raise ValueError(f"{_name('tau')} must be a number >= 0, got {self.tau!r}")
+                raise ValueError(f"{self._name(key)} must be a positive integer, got {value!r}")
+        tau = self.tau
+        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not (math.isfinite(tau) and tau >= 0):
+            raise ValueError(f"{self._name('tau')} must be a finite number >= 0, got {tau!r}")
 
     def validate(
         self,
@@ -138,19 +186,19 @@ class LibraConfig:
             raise ValueError(f"num_query_groups {hkv} must divide num_attention_heads {hq}")
         if data_parallel_size % self.pool_size:
             raise ValueError(
-                f"{_name('pool_size')} {self.pool_size} must divide the data-parallel size "
+                f"{self._name('pool_size')} {self.pool_size} must divide the data-parallel size "
                 f"{data_parallel_size} ({data_parallel_size} % {self.pool_size} = "
                 f"{data_parallel_size % self.pool_size})"
             )
         if hq % self.head_split:
             raise ValueError(
-                f"{_name('head_split')} {self.head_split} must divide num_attention_heads {hq}"
+                f"{self._name('head_split')} {self.head_split} must divide num_attention_heads {hq}"
             )
         heads_per_shard = hq // self.head_split
         if heads_per_shard % self.num_chunks:
             raise ValueError(
-                f"{_name('num_chunks')} {self.num_chunks} must divide num_attention_heads/"
-                f"{flag_name('head_split')} = {hq}/{self.head_split} = {heads_per_shard}"
+                f"{self._name('num_chunks')} {self.num_chunks} must divide num_attention_heads/"
+                f"{self._short('head_split')} = {hq}/{self.head_split} = {heads_per_shard}"
             )
         self._validate_gqa_pieces(hq, hkv)
         if micro_batch_size != 1:
@@ -168,8 +216,8 @@ class LibraConfig:
         group = hq // hkv  # query heads sharing one kv head
         if piece % group and group % piece:
             raise ValueError(
-                f"query heads per chunk piece num_attention_heads/({flag_name('head_split')}*"
-                f"{flag_name('num_chunks')}) = {hq}/({self.head_split}*{self.num_chunks}) = {piece} "
+                f"query heads per chunk piece num_attention_heads/({self._short('head_split')}*"
+                f"{self._short('num_chunks')}) = {hq}/({self.head_split}*{self.num_chunks}) = {piece} "
                 f"must be a multiple or a divisor of the GQA group size {hq}/{hkv} = {group}"
             )
 
@@ -178,7 +226,7 @@ class LibraConfig:
             raise ValueError(f"--global-batch-size {gbs} must be divisible by DP*mbs = {dp}*{mbs}")
         if gbs % self.pool_size:
             raise ValueError(
-                f"--global-batch-size {gbs} must be divisible by {_name('pool_size')} {self.pool_size}"
+                f"--global-batch-size {gbs} must be divisible by {self._name('pool_size')} {self.pool_size}"
             )
 
     def _validate_layout(self, seq_length: int, cp: int) -> None:
@@ -186,29 +234,35 @@ class LibraConfig:
         if seq_length % chunks:
             raise ValueError(
                 f"--seq-length {seq_length} must be divisible by {chunks} CP chunks "
-                f"({_name('token_layout')}={self.token_layout.value}, CP={cp})"
+                f"({self._name('token_layout')}={self.token_layout.value}, CP={cp})"
             )
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "config") -> "LibraConfig":
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "config",
+                     lines: Optional[Mapping[str, int]] = None) -> "LibraConfig":
+        """Config from ``{key: value}`` read from ``source``; errors name ``source`` (``:line`` from ``lines``)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a mapping of Libra keys, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown Libra key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**dict(data))
+        lines = lines or {}
+        where = {k: f"{source}:{lines[k]}" if k in lines else source for k in data}
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{where[key]}: unknown Libra key {key!r}{_did_you_mean(key, known)}; "
+                                 f"known keys (at top level or under 'libra:'): {', '.join(known)}")
+            value = data[key]
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{_name(key, _yaml_label(key, where[key]))} must be a finite number, got {value!r}")
+        return cls._build(dict(data), {k: _yaml_label(k, w) for k, w in where.items()})
 
     @classmethod
-    def from_yaml(cls, path: str) -> "LibraConfig":
-        import yaml
+    def from_yaml(cls, path: str, *, flag: Optional[str] = None) -> "LibraConfig":
+        """Config from a YAML file (format: module docstring). ``flag`` (``--libra-config``) prefixes file errors."""
+        from .config_yaml import read_libra_yaml
 
-        with open(path, "r", encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-        if isinstance(data, Mapping) and "libra" in data and len(data) == 1:
-            data = data["libra"] or {}
-        return cls.from_mapping(data, source=path)
+        data, lines = read_libra_yaml(path, flag)
+        return cls.from_mapping(data, source=str(path), lines=lines)
 
     def to_dict(self) -> dict:
         out = {}
@@ -227,7 +281,18 @@ class LibraConfig:
         return text
 
     def replace(self, **changes: Any) -> "LibraConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; the changed keys forget their YAML origin (a ``--libra-*`` flag set them)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = sorted(set(changes) - set(values))
+        if unknown:
+            raise TypeError(f"LibraConfig.replace: unknown field(s) {unknown}")
+        labels = {k: v for k, v in self._labels().items() if k not in changes}
+        return type(self)._build({**values, **changes}, labels)
+
+
+def _did_you_mean(key: Any, known) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 _ENUM_FIELDS = {
@@ -246,6 +311,6 @@ def _coerce_enums(cfg: LibraConfig) -> None:
             continue
         try:
             object.__setattr__(cfg, key, kind(value))
-        except ValueError:
+        except (ValueError, TypeError):
             choices = ", ".join(m.value for m in kind)
-            raise ValueError(f"{_name(key)} must be one of {{{choices}}}, got {value!r}") from None
+            raise ValueError(f"{cfg._name(key)} must be one of {{{choices}}}, got {value!r}") from None

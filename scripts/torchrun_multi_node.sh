@@ -12,15 +12,14 @@
 # Runs in your working directory: your relative --data-path/--save stay yours. CONFIG.args is looked up
 # in the working directory, then in the repository; paths inside it are relative to its own folder.
 set -euo pipefail
-if [ "$#" -lt 1 ]; then
-  echo "usage: $0 CONFIG.args [pretrain_gpt flags...]" >&2
-  exit 2
-fi
+# A user error is one line "<script>: error: <message>" on stderr and exit 2 (as every tool of the project).
+die() { echo "$(basename "$0"): error: $*" >&2; exit 2; }
+[ "$#" -ge 1 ] || die "give a run config: $0 CONFIG.args [pretrain_gpt flags...]"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="$1"; shift
-: "${NNODES:?set NNODES (number of nodes)}"
-: "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on every node}"
-: "${MASTER_ADDR:?set MASTER_ADDR (hostname of node 0)}"
+[ -n "${NNODES:-}" ] || die "set NNODES (number of nodes)"
+[ -n "${NODE_RANK:-}" ] || die "set NODE_RANK (0..NNODES-1) on every node"
+[ -n "${MASTER_ADDR:-}" ] || die "set MASTER_ADDR (hostname of node 0)"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 MASTER_PORT="${MASTER_PORT:-6000}"
 PYTHON="${PYTHON:-python}"

@@ -38,7 +38,8 @@ def test_yaml_unknown_key_is_an_error(tmp_path):
     "kwargs, pattern",
     [
         (dict(pool_size=0), r"--libra-pool-size \(pool_size\) must be a positive integer"),
-        (dict(tau=-0.1), r"--libra-tau \(tau\) must be a number >= 0"),
+        (dict(tau=-0.1), r"--libra-tau \(tau\) must be a finite number >= 0"),
+        (dict(tau=float("inf")), r"--libra-tau \(tau\) must be a finite number >= 0, got inf"),
         (dict(sequence_placement="lpt"), r"--libra-sequence-placement .* must be one of"),
     ],
 )

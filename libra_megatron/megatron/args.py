@@ -73,7 +73,8 @@ def add_libra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             group.add_argument(flag_name(key), dest=_dest(key), type=kind, default=None, help=_HELP[key])
     group.add_argument("--libra-config", dest="libra_config", type=str, default=None, metavar="PATH",
-                       help="YAML file of Libra keys (top-level mapping or under 'libra:'); flags override it.")
+                       help="YAML file of Libra keys (under 'libra:' or at top level, not both; "
+                            "not empty); --libra-* flags override it.")
     group.add_argument("--libra-disable-vrsp", dest="libra_disable_vrsp", action="store_true", default=None,
                        help="Ablation: sequence_placement=contiguous (no inter-pool balancing).")
     group.add_argument("--libra-disable-tap", dest="libra_disable_tap", action="store_true", default=None,
@@ -122,12 +123,11 @@ def libra_config_from_args(args: Any) -> LibraConfig:
 
     Reads ``num_attention_heads``, ``num_query_groups`` (only with ``group_query_attention``),
     ``data_parallel_size`` (else world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``,
-    ``micro_batch_size`` and ``global_batch_size`` from ``args``. Raises ValueError naming the flag.
+    ``micro_batch_size`` and ``global_batch_size`` from ``args``. Raises ValueError naming the flag the
+    user gave, or the YAML key and its ``file:line`` for a value read from ``--libra-config``.
     """
     path = getattr(args, "libra_config", None)
-    if path is not None and not os.path.isfile(path):
-        raise ValueError(f"--libra-config {path}: no such file")
-    base = LibraConfig.from_yaml(path) if path is not None else LibraConfig()
+    base = LibraConfig.from_yaml(path, flag="--libra-config") if path is not None else LibraConfig()
     config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
     gbs = getattr(args, "global_batch_size", None)

@@ -84,15 +84,19 @@ class RunConfig:
         from ..config import LibraConfig, SequencePlacement, TilePlacement
 
         on = self.libra
-        return LibraConfig(
+        values = dict(
             pool_size=self.pool_size if on else 1, head_split=self.head_split, block_size=self.block_size,
             num_chunks=self.num_chunks, tau=self.tau,
             sequence_placement=SequencePlacement.REFINED if on else SequencePlacement.CONTIGUOUS,
             tile_placement=TilePlacement.ALG2 if on else TilePlacement.HOME, kernel_backend="torch",
             token_layout=self.token_layout,
-        ).validate(num_attention_heads=self.num_heads, num_query_groups=self.num_kv_heads,
-                   data_parallel_size=self.dp, context_parallel_size=self.cp, seq_length=self.seq_len,
-                   global_batch_size=self.global_batch)
+        )
+        return LibraConfig.from_flags(values, _CONFIG_FLAGS).validate(
+            num_attention_heads=self.num_heads, num_query_groups=self.num_kv_heads, data_parallel_size=self.dp,
+            context_parallel_size=self.cp, seq_length=self.seq_len, global_batch_size=self.global_batch)
+
+
+_CONFIG_FLAGS = {key: "--" + key.replace("_", "-") for key in ("pool_size", "head_split", "block_size", "num_chunks")}
 
 
 @dataclass(frozen=True, eq=False)
@@ -396,8 +400,13 @@ def _print_run(name: str, records: List[dict]) -> None:
               f"{1e3 * r['planner_latency_s']:7.2f}  {1e3 * r['planner_wait_s']:7.2f}  {r['step_s']:6.2f}")
 
 
+TOOL = "libra-train-cpu"
+
+
 def parse_args(argv: Optional[Sequence[str]] = None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from ..cli import ArgumentParser, add_debug_argument
+
+    p = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--pool-size", type=int, default=2)
@@ -417,11 +426,32 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--workdir", default="", help="corpus and index cache (default $TMPDIR/libra_train_cpu)")
     p.add_argument("--baseline", action="store_true", help="run only the baseline (no VRSP, no pools)")
     p.add_argument("--compare", action="store_true", help="run Libra and the baseline, print parity")
+    add_debug_argument(p)
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _check_args(args) -> None:
+    """Before anything is built: counts are positive, the trace and the work folder are usable."""
+    from ..paths import check_input_file, check_output_dir
+
+    for flag in ("dp", "cp", "pool_size", "steps", "seq_len", "grad_accum", "head_split", "num_chunks",
+                 "block_size", "vocab"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if not (args.lr > 0 and args.lr < float("inf")):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr!r}")
+    if args.data == "trace":
+        path = args.trace if os.path.sep in args.trace or os.path.exists(args.trace) else find_trace(args.trace)
+        check_input_file(path, f"--trace {args.trace}")
+    if args.workdir:
+        check_output_dir(args.workdir, f"--workdir {args.workdir}")
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    """The CPU training run; bad flags raise ValueError naming the flag (``main`` prints one line, exit 2)."""
     args = parse_args(argv)
+    _check_args(args)
     cfg = RunConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, steps=args.steps, seq_len=args.seq_len,
                     grad_accum=args.grad_accum, head_split=args.head_split, num_chunks=args.num_chunks,
                     block_size=args.block_size, vocab=args.vocab, lr=args.lr, seed=args.seed,
@@ -449,5 +479,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m libra_megatron.megatron.train_cpu`` (``scripts/main.sh``): exit 2 with one line on bad input."""
+    from ..cli import run_cli
+
+    run_cli(TOOL, run, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -21,7 +21,6 @@ With per_row_head = per_entry = per_key_row_head = 0 the model is the FLOPs prox
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -84,9 +83,10 @@ class TileCostModel:
     @staticmethod
     def from_json(path) -> "TileCostModel":
         """Load ``{"model": {...}, ...}`` as written by ``benchmarks/calibrate_cpu.py``."""
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        if "model" not in data:
+        from ..paths import read_json
+
+        data = read_json(path, str(path))
+        if not isinstance(data, dict) or "model" not in data:
             raise ValueError(f"{path}: no 'model' key (expected the output of benchmarks/calibrate_cpu.py)")
         return TileCostModel.from_dict(data["model"])
 

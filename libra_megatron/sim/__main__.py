@@ -4,61 +4,89 @@ Example (the shared traces live in ``../shared/data/traces/`` relative to the ch
     python -m libra_megatron.sim --trace ../shared/data/traces/linux-6.12-files.qwen.txt \
         --seq-len 262144 --gbs 128 --dp 32 --cp 8 --pool-size 4 8 16 --head-split 1 2 4 \
         --block-size 4096 8192 --model qwen3-30b-a3b --json out.json --plots plots/
+
+Everything is checked before the simulation starts, in this order: every flag (``spec_from_args``, the
+``--calibration`` file included), the outputs (``--json``: its folder exists and takes a new file;
+``--plots``: an existing writable folder, or a new one whose parent exists -- created only at the end),
+the traces (``plan.traces``: files, UTF-8, one integer per line) and the run's cost (``runner.check_run_cost``:
+packing memory under ``--memory-limit-gib``). A bad input exits 2 with one line ``libra-sim: error: ...``
+(``libra_megatron.cli``); ``--debug`` or ``LIBRA_DEBUG=1`` shows the traceback. Nothing is written unless
+the run succeeds.
+
+Adding an option: put it in the right ``_add_*_args`` group with ``_grid_option`` (a swept list of numbers),
+``_choice_option`` (values of an enum, optionally swept) or ``group.add_argument`` with a ``help``, check
+it in ``runner._validate_spec`` (ValueError naming the flag), and pass it on in ``spec_from_args``.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import importlib.util
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Type
 
+from ..cli import ArgumentParser, DefaultsHelpFormatter, add_debug_argument, run_cli
 from ..config import PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
+from ..paths import check_output_dir, check_output_file
+from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
 from .cost import CalibrationTable, CostModel
 from .report import ProgressBar, format_table
-from .runner import DTYPE_BYTES, MODEL_PRESETS, ModelDims, SimSpec, run_simulation
+from .runner import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs, run_simulation
 
-__all__ = ["build_parser", "spec_from_args", "main"]
+__all__ = ["build_parser", "spec_from_args", "check_outputs", "run", "main"]
+
+TOOL = "libra-sim"
 
 
-def _enum_arg(enum_cls, flag: str):
-    def parse(text: str):
-        try:
-            return enum_cls(text)
-        except ValueError:
-            choices = ", ".join(e.value for e in enum_cls)
-            raise argparse.ArgumentTypeError(f"{flag} must be one of {choices}, got {text!r}") from None
-    return parse
+def _grid_option(group, flag: str, kind: type, default: Sequence, help: str) -> None:
+    """A swept knob: one or more values, every candidate of the grid takes one."""
+    group.add_argument(flag, type=kind, nargs="+", default=list(default), metavar=kind.__name__.upper(), help=help)
+
+
+def _choice_option(group, flag: str, enum_cls: Type[enum.Enum], default: enum.Enum, help: str,
+                   grid: bool = False) -> None:
+    """An enum-valued option: the choices and the default are shown as their values (``megatron``)."""
+    values = [m.value for m in enum_cls]
+    group.add_argument(flag, choices=values, nargs="+" if grid else None,
+                       default=[default.value] if grid else default.value, help=help)
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("corpus and parallel layout")
     g.add_argument("--trace", action="append", required=True, metavar="PATH",
-                   help="document-length trace ('#' comments, one length per line); repeat to pool several")
-    g.add_argument("--packing", type=_enum_arg(PackingMode, "--packing"), default=PackingMode.MEGATRON,
-                   help="megatron (shuffle, concatenate, cut) | best_fit (BFD, last bins padded)")
-    g.add_argument("--seq-len", type=int, required=True, help="L, tokens per packed sequence")
+                   help="document-length trace (UTF-8 text, '#' comments, one length per line); repeat to pool "
+                        "several")
+    _choice_option(g, "--packing", PackingMode, PackingMode.MEGATRON,
+                   "megatron: shuffle, concatenate, cut; best_fit: BFD, last bins padded")
+    g.add_argument("--seq-len", type=int, required=True, help=f"L, tokens per packed sequence (>= {MIN_SEQ_LEN})")
     g.add_argument("--gbs", type=int, required=True, help="global batch size in packed sequences (window size)")
     g.add_argument("--dp", type=int, required=True, help="data-parallel size")
     g.add_argument("--cp", type=int, required=True, help="context-parallel size")
     g.add_argument("--seed", type=int, default=1234, help="packing shuffle seed")
-    g.add_argument("--max-windows", type=int, default=None, help="only the first N GBS windows (quick runs)")
+    g.add_argument("--max-windows", type=int, default=None, metavar="N",
+                   help="only the first N GBS windows (default: all); with megatron packing only the documents "
+                        "they need are packed")
+    g.add_argument("--memory-limit-gib", type=float, default=2.0, metavar="GIB",
+                   help="refuse a run whose packing is estimated to need more memory than this")
 
 
 def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Libra grid and knobs")
-    g.add_argument("--pool-size", type=int, nargs="+", default=[8], help="P values (each divides --dp)")
-    g.add_argument("--head-split", type=int, nargs="+", default=[1], help="H values")
-    g.add_argument("--block-size", type=int, nargs="+", default=[4096], help="B values (tokens)")
-    g.add_argument("--num-chunks", type=int, nargs="+", default=[4], help="M values, Pipeliner head chunks")
-    g.add_argument("--tau", type=float, nargs="+", default=[0.03], help="Algorithm 2 load slack values")
-    g.add_argument("--token-layout", type=_enum_arg(TokenLayoutKind, "--token-layout"), default=TokenLayoutKind.ZIGZAG)
-    g.add_argument("--sequence-placement", type=_enum_arg(SequencePlacement, "--sequence-placement"),
-                   default=SequencePlacement.REFINED, help="inter-pool placement of the 'libra' variant")
-    g.add_argument("--tile-placement", type=_enum_arg(TilePlacement, "--tile-placement"),
-                   default=TilePlacement.ALG2, help="intra-pool tile placement of the 'libra' and DistCA variants")
+    _grid_option(g, "--pool-size", int, [8], "P values (each divides --dp)")
+    _grid_option(g, "--head-split", int, [1], "H values")
+    _grid_option(g, "--block-size", int, [4096], "B values (tokens)")
+    _grid_option(g, "--num-chunks", int, [4], "M values, Pipeliner head chunks")
+    _grid_option(g, "--tau", float, [0.03], "Algorithm 2 load slack values (finite, >= 0)")
+    _choice_option(g, "--token-layout", TokenLayoutKind, TokenLayoutKind.ZIGZAG,
+                   "CP token layout of a packed sequence: zigzag (Megatron's 2*CP chunks) or contiguous")
+    _choice_option(g, "--sequence-placement", SequencePlacement, SequencePlacement.REFINED,
+                   "inter-pool placement of the 'libra' variant")
+    _choice_option(g, "--tile-placement", TilePlacement, TilePlacement.ALG2,
+                   "intra-pool tile placement of the 'libra' and DistCA variants")
     g.add_argument("--wlb-cap-factor", type=float, default=1.25,
                    help="WLB-LLM baseline: token cap of a re-packed sequence = factor * --seq-len")
     g.add_argument("--no-distca", action="store_true", help="skip the DistCA (P = DP) baseline")
@@ -66,11 +94,12 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("attention shape (a --model preset, or all of --num-heads/--num-kv-heads/--head-dim)")
-    g.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None)
-    g.add_argument("--num-heads", type=int, default=None)
-    g.add_argument("--num-kv-heads", type=int, default=None)
-    g.add_argument("--head-dim", type=int, default=None)
-    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    g.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                   help="attention shape preset (explicit --num-heads etc. override its values)")
+    g.add_argument("--num-heads", type=int, default=None, help="query heads")
+    g.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (divides --num-heads)")
+    g.add_argument("--head-dim", type=int, default=None, help="head dimension")
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (bytes moved)")
 
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -78,22 +107,29 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-tflops", type=float, default=400.0, help="effective attention TFLOP/s per GPU")
     g.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU to same-node peers")
     g.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU to other nodes")
-    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (decides which links are intra-node)")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output (written only when the run succeeds)")
+    g.add_argument("--json", default=None, metavar="PATH",
+                   help="write the full report as JSON (the folder must exist; an existing file is replaced)")
+    g.add_argument("--plots", default=None, metavar="DIR",
+                   help="write PNG plots into DIR (created at the end if missing; its parent must exist)")
+    g.add_argument("--jobs", type=int, default=1, metavar="N", help="simulate windows in N processes, N <= CPUs (same results)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_debug_argument(g)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="libra-sim", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog=TOOL, description=__doc__.splitlines()[0], allow_abbrev=False,
+                            formatter_class=DefaultsHelpFormatter)
     _add_workload_args(parser)
     _add_libra_args(parser)
     _add_model_args(parser)
     _add_cost_args(parser)
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
-    out.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots into DIR")
-    out.add_argument("--jobs", type=int, default=1, help="simulate windows in N processes (same results)")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_output_args(parser)
     return parser
 
 
@@ -112,42 +148,77 @@ def _model_dims(args: argparse.Namespace) -> ModelDims:
     return ModelDims(hq, hkv, d, DTYPE_BYTES[args.dtype])
 
 
+def _calibration(path: Optional[str]) -> Optional[CalibrationTable]:
+    return CalibrationTable.from_json(path) if path is not None else None
+
+
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
     """Turn parsed flags into a validated ``SimSpec`` (ValueError names the flag)."""
     dims = _model_dims(args)
-    calibration = CalibrationTable.from_json(args.calibration) if args.calibration else None
     cost = CostModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
                      inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
-                     num_chunks=args.num_chunks[0], calibration=calibration)
+                     num_chunks=args.num_chunks[0], calibration=_calibration(args.calibration))
+    check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,
         pool_sizes=tuple(args.pool_size), head_splits=tuple(args.head_split), block_sizes=tuple(args.block_size),
-        dims=dims, cost=cost, chunk_counts=tuple(args.num_chunks), taus=tuple(args.tau), token_layout=args.token_layout,
-        sequence_placement=args.sequence_placement, tile_placement=args.tile_placement, packing=args.packing,
-        seed=args.seed, max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
+        dims=dims, cost=cost, chunk_counts=tuple(args.num_chunks), taus=tuple(args.tau),
+        token_layout=TokenLayoutKind(args.token_layout), sequence_placement=SequencePlacement(args.sequence_placement),
+        tile_placement=TilePlacement(args.tile_placement), packing=PackingMode(args.packing), seed=args.seed,
+        max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
+        memory_limit_gib=args.memory_limit_gib,
     ).validate()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI entry point. Bad flag values raise ValueError naming the flag (argparse errors exit 2)."""
-    args = build_parser().parse_args(argv)
-    spec = spec_from_args(args)
-    doc_lens = load_traces(args.trace)
-    progress = ProgressBar(enabled=not args.no_progress and sys.stderr.isatty())
-    result = run_simulation(doc_lens, spec, progress=progress, jobs=args.jobs)
-    report = result.to_json()
-    report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]
-    print(format_table(report))
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plots`` can be written (and matplotlib is there for plots); creates nothing."""
+    if args.json is not None:
+        check_output_file(args.json, f"--json {args.json}")
+    if args.plots is not None:
+        check_output_dir(args.plots, f"--plots {args.plots}")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plots needs matplotlib: pip install 'libra_megatron[sim]'")
+
+
+def _load_traces(paths: List[str], spec: SimSpec):
+    """The pooled traces, read no further than the documents ``--memory-limit-gib`` can pack."""
+    per_document = BYTES_PER_DOCUMENT + BYTES_PER_SEGMENT + 8  # packing's share plus the int64 length itself
+    limit = int(spec.memory_limit_gib * (1 << 30)) // per_document
+    reason = f" in all --trace files; packing them needs more than --memory-limit-gib {spec.memory_limit_gib:g}"
+    return load_traces(paths, max_documents=limit, limit_reason=reason)
+
+
+def _write_outputs(args: argparse.Namespace, result, report: dict) -> None:
     if args.json:
+        text = json.dumps(report, indent=1)
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
+            handle.write(text)
     if args.plots:
         from .plots import write_plots  # lazy: matplotlib only when asked
 
         for path in write_plots(result, report, args.plots):
             print(f"wrote {path}")
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    """The simulator; bad input raises ValueError naming the flag or file (``main`` turns it into one line)."""
+    args = build_parser().parse_args(argv)
+    spec = spec_from_args(args)
+    check_outputs(args)
+    doc_lens = _load_traces(args.trace, spec)  # checks every path before reading any
+    progress = ProgressBar(enabled=not args.no_progress and sys.stderr.isatty())
+    result = run_simulation(doc_lens, spec, progress=progress, jobs=args.jobs)
+    report = result.to_json()
+    report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]
+    print(format_table(report))
+    _write_outputs(args, result, report)
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry point (``libra-sim``): one line ``libra-sim: error: ...`` and exit 2 on bad input."""
+    run_cli(TOOL, run, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

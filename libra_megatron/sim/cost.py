@@ -21,12 +21,13 @@ cannot overlap, and the (M-1)/M middle share can hide only behind compute:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import numpy as np
+
+from ..paths import read_json
 
 __all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds"]
 
@@ -67,11 +68,7 @@ class CalibrationTable:
 
     @classmethod
     def from_json(cls, path: str) -> "CalibrationTable":
-        try:
-            with open(path, "r", encoding="utf-8") as handle:
-                data = json.load(handle)
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"--calibration {path}: cannot read JSON ({err})") from None
+        data = read_json(path, f"--calibration {path}")
         return cls.from_mapping(data, source=f"--calibration {path}")
 
     @classmethod
@@ -80,11 +77,11 @@ class CalibrationTable:
             head_dim = int(data["head_dim"])
             rows = [(int(e["block_tokens"]), int(e["heads"]), float(e["seconds"]), int(e["pairs"]))
                     for e in data["entries"]]
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"{source}: expected keys device, head_dim, entries[block_tokens, heads, "
                              f"seconds, pairs] ({err!r})") from None
-        if not rows or any(t < 1 or h < 1 or s <= 0 or p < 1 for t, h, s, p in rows):
-            raise ValueError(f"{source}: need >= 1 entry with block_tokens, heads, pairs >= 1 and seconds > 0")
+        if not rows or any(t < 1 or h < 1 or not (math.isfinite(s) and s > 0) or p < 1 for t, h, s, p in rows):
+            raise ValueError(f"{source}: need >= 1 entry with block_tokens, heads, pairs >= 1 and finite seconds > 0")
         by_heads: Dict[int, Dict[int, float]] = {}
         for tokens, heads, seconds, pairs in rows:
             by_heads.setdefault(heads, {})[tokens] = 4.0 * head_dim * pairs * heads / seconds
@@ -121,8 +118,9 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r}")
         if self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if self.calibration is not None and self.calibration.head_dim != self.head_dim:

@@ -4,8 +4,10 @@ Imports only ``libra_megatron.plan`` and ``libra_megatron.config``. All times ar
 forward pass, from ``cost.CostModel``. Definitions (every number is a mean over windows unless noted):
 
 window      GBS consecutive packed sequences of the corpus (packing order); a trailing partial window
-            is dropped. A window runs as GA = GBS/DP steps; pool k of an order runs at GA step
-            k*P // DP on DP ranks (k % (DP/P))*P + j (``plan.sequences.assign_to_ranks``).
+            is dropped. With ``max_windows`` N only the first N*GBS sequences are packed (megatron
+            packing; best_fit must pack the whole corpus, see ``plan.packing``). A window runs as
+            GA = GBS/DP steps; pool k of an order runs at GA step k*P // DP on DP ranks (k % (DP/P))*P + j
+            (``plan.sequences.assign_to_ranks``).
 inter-pool  R - 1 = max/mean - 1 of pool loads sum_i F_i (Eq. 2/4) for the contiguous (sampler) order,
             Algorithm 1, and the configured ``--sequence-placement``; ``lower_bound`` is the same ratio for
             ``workload.pool_lower_bound_counting`` (no grouping can beat it); ``eq3`` is Eq. 3 with the
@@ -25,6 +27,8 @@ variants    tap       contiguous order + Algorithm 2 (Libra "TAP")
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -33,14 +37,15 @@ import numpy as np
 
 from ..config import LibraConfig, PackingMode, SequencePlacement, TilePlacement, TokenLayoutKind
 from ..plan.layout import TokenLayout
-from ..plan.packing import pack_documents
+from ..plan.packing import num_packed_upper_bound, pack_documents, packing_memory_bytes
 from ..plan.sequences import place_sequences, pool_loads
 from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
 from .cost import CostModel
 from .pools import PoolEvaluator, PoolResult
 
-__all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "MODEL_PRESETS", "DTYPE_BYTES"]
+__all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "check_run_cost", "check_jobs",
+           "MODEL_PRESETS", "DTYPE_BYTES", "MIN_SEQ_LEN", "MAX_TILES_PER_POOL"]
 
 MODEL_PRESETS: Dict[str, Tuple[int, int, int]] = {  # (hq, hkv, head_dim), bf16
     "qwen3-8b": (32, 8, 128),
@@ -48,6 +53,8 @@ MODEL_PRESETS: Dict[str, Tuple[int, int, int]] = {  # (hq, hkv, head_dim), bf16
     "qwen3-235b-a22b": (64, 4, 128),
 }
 DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+MIN_SEQ_LEN = 64  # tokens per packed sequence: below it nothing is long-context, and tiny L only multiplies sequences
+MAX_TILES_PER_POOL = 1 << 20  # SH-Tiles of one pool instance: 64x the 1M-token P=16 H=4 B=4096 case
 VARIANTS = ("tap", "tap_vrsp", "libra")
 
 
@@ -89,6 +96,7 @@ class SimSpec:
     max_windows: Optional[int] = None
     wlb_cap_factor: float = 1.25
     distca: bool = True
+    memory_limit_gib: float = 2.0  # packing is refused when ``packing_memory_bytes`` estimates more
 
     @property
     def num_steps(self) -> int:
@@ -105,6 +113,9 @@ def _positive(value, flag: str) -> None:
         raise ValueError(f"{flag} must be a positive integer, got {value!r}")
 
 
+_CONFIG_FLAGS = {"head_split": "--head-split", "num_chunks": "--num-chunks"}  # LibraConfig keys -> our flags
+
+
 def _validate_heads(spec: SimSpec) -> None:
     """hkv | hq, then every (H, M) pair against ``LibraConfig.validate`` (the runtime's rule)."""
     hq, hkv = spec.dims.num_q_heads, spec.dims.num_kv_heads
@@ -117,41 +128,96 @@ def _validate_heads(spec: SimSpec) -> None:
     for h in spec.head_splits:
         for m in spec.chunk_counts:
             try:
-                LibraConfig(head_split=int(h), num_chunks=int(m)).validate(num_attention_heads=hq, num_query_groups=hkv)
+                LibraConfig.from_flags(dict(head_split=int(h), num_chunks=int(m)), _CONFIG_FLAGS).validate(
+                    num_attention_heads=hq, num_query_groups=hkv)
             except ValueError as err:
                 raise ValueError(f"--head-split {h} x --num-chunks {m} is invalid for --num-heads {hq}, "
                                  f"--num-kv-heads {hkv}: {err}") from None
 
 
-def _validate_spec(spec: SimSpec) -> None:
+def _finite(value, flag: str, rule: str, accept: Callable[[float], bool]) -> None:
+    """``value`` must be a finite real number that ``accept``s (``rule`` says which, for the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) \
+            or not accept(value):
+        raise ValueError(f"{flag} must be a finite number {rule}, got {value!r}")
+
+
+def _validate_layout(spec: SimSpec) -> None:
     for value, flag in ((spec.seq_len, "--seq-len"), (spec.global_batch_size, "--gbs"),
                         (spec.data_parallel_size, "--dp"), (spec.context_parallel_size, "--cp")):
         _positive(value, flag)
+    if spec.seq_len < MIN_SEQ_LEN:
+        raise ValueError(f"--seq-len {spec.seq_len} is below the minimum {MIN_SEQ_LEN} tokens per packed sequence")
     gbs, dp, cp = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size
     if gbs % dp:
         raise ValueError(f"--gbs {gbs} must be divisible by --dp {dp} ({gbs} % {dp} = {gbs % dp})")
+    chunks = 2 * cp if spec.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
+    if spec.seq_len % chunks:
+        raise ValueError(f"--seq-len {spec.seq_len} must be divisible by {chunks} CP chunks (--token-layout "
+                         f"{spec.token_layout.value}, --cp {cp}): {spec.seq_len} % {chunks} = {spec.seq_len % chunks}")
+
+
+def _validate_grid(spec: SimSpec) -> None:
+    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts):
+        raise ValueError("--pool-size, --head-split, --block-size, --tau and --num-chunks each need at least one value")
+    dp = spec.data_parallel_size
     for p in spec.pool_sizes:
         _positive(p, "--pool-size")
         if dp % p:
             raise ValueError(f"--pool-size {p} must divide --dp {dp} ({dp} % {p} = {dp % p})")
     for b in spec.block_sizes:
         _positive(b, "--block-size")
-    if not (spec.pool_sizes and spec.head_splits and spec.block_sizes and spec.taus and spec.chunk_counts):
-        raise ValueError("--pool-size, --head-split, --block-size, --tau and --num-chunks each need at least one value")
-    _validate_heads(spec)
-    chunks = 2 * cp if spec.token_layout is TokenLayoutKind.ZIGZAG and cp > 1 else cp
-    if spec.seq_len % chunks:
-        raise ValueError(f"--seq-len {spec.seq_len} must be divisible by {chunks} CP chunks (--token-layout "
-                         f"{spec.token_layout.value}, --cp {cp}): {spec.seq_len} % {chunks} = {spec.seq_len % chunks}")
     for tau in spec.taus:
-        if not tau >= 0:
-            raise ValueError(f"--tau must be >= 0, got {tau!r}")
-    if not spec.wlb_cap_factor >= 1:
-        raise ValueError(f"--wlb-cap-factor must be >= 1 (token cap = factor * --seq-len), got {spec.wlb_cap_factor!r}")
+        _finite(tau, "--tau", ">= 0", lambda v: v >= 0)
+    _validate_heads(spec)
+    _validate_tile_counts(spec)
+
+
+def _validate_tile_counts(spec: SimSpec) -> None:
+    """Bound the tiles of one pool: P * (ceil(L / B) + 2*CP block cuts) * H <= MAX_TILES_PER_POOL."""
+    p, h, b = max(spec.pool_sizes), max(spec.head_splits), min(spec.block_sizes)
+    tiles = p * (-(-spec.seq_len // b) + 2 * spec.context_parallel_size) * h
+    if tiles > MAX_TILES_PER_POOL:
+        raise ValueError(f"--pool-size {p} x --head-split {h} x (--seq-len {spec.seq_len} / --block-size {b} "
+                         f"blocks) gives about {tiles} SH-Tiles per pool, more than the {MAX_TILES_PER_POOL} this "
+                         f"simulator accepts; use a larger --block-size or a smaller --seq-len")
+
+
+def _validate_spec(spec: SimSpec) -> None:
+    _validate_layout(spec)
+    _validate_grid(spec)
+    _finite(spec.wlb_cap_factor, "--wlb-cap-factor", ">= 1 (token cap = factor * --seq-len)", lambda v: v >= 1)
+    _finite(spec.memory_limit_gib, "--memory-limit-gib", "> 0", lambda v: v > 0)
     if spec.max_windows is not None:
         _positive(spec.max_windows, "--max-windows")
     if spec.cost.num_chunks not in spec.chunk_counts or spec.cost.head_dim != spec.dims.head_dim:
         raise ValueError("CostModel.num_chunks/head_dim must be one of --num-chunks / equal --head-dim")
+
+
+def check_jobs(jobs: int) -> None:
+    """``--jobs``: 1 .. number of CPUs (each worker process holds a copy of the packed corpus)."""
+    _positive(jobs, "--jobs")
+    cpus = os.cpu_count() or 1
+    if jobs > cpus:
+        raise ValueError(f"--jobs {jobs} is more than the {cpus} CPUs of this machine")
+
+
+def check_run_cost(doc_lens, spec: SimSpec) -> None:
+    """Refuse, before packing, a corpus whose packing ``plan.packing.packing_memory_bytes`` estimates above
+    ``--memory-limit-gib``, or one too small for a single GBS window."""
+    limit = spec.memory_limit_gib * (1 << 30)
+    max_sequences = None if spec.max_windows is None else spec.max_windows * spec.global_batch_size
+    need = packing_memory_bytes(doc_lens, spec.seq_len, spec.packing, max_sequences)
+    if need > limit:
+        total = int(np.asarray(doc_lens, dtype=np.int64).sum())
+        num_seq = num_packed_upper_bound(doc_lens, spec.seq_len, spec.packing)
+        hint = ("a larger --seq-len, --max-windows N, or a larger --memory-limit-gib" if spec.packing is PackingMode.MEGATRON
+                else "a larger --seq-len or a larger --memory-limit-gib (best_fit packs the whole corpus even with "
+                     "--max-windows)")
+        raise ValueError(
+            f"--seq-len {spec.seq_len} packs the {total}-token corpus into {num_seq} sequences; packing would need "
+            f"about {need / (1 << 30):.2f} GiB, more than --memory-limit-gib {spec.memory_limit_gib:g}; use {hint}")
+    _num_windows(num_packed_upper_bound(doc_lens, spec.seq_len, spec.packing), spec)
 
 
 # --------------------------------------------------------------------------- accumulators
@@ -236,18 +302,26 @@ class Candidate:
 # --------------------------------------------------------------------------- corpus and windows
 @dataclass(frozen=True)
 class _Corpus:
-    """Packed corpus: per-sequence segments, Eq. 2 loads F_i and Eq. 6 pair-heads."""
+    """Packed corpus (the sequences the run replays): segments, Eq. 2 loads F_i and Eq. 6 pair-heads."""
 
     segments: List[np.ndarray]
-    flops: np.ndarray  # float64 (num_sequences,)
-    pair_heads: np.ndarray  # float64 (num_sequences,)
+    flops: np.ndarray  # float64 (num_packed,)
+    pair_heads: np.ndarray  # float64 (num_packed,)
     num_documents: int
+    num_sequences: int  # of the whole corpus; > num_packed when max_windows stopped megatron packing early
 
 
 def _pack_corpus(doc_lens: np.ndarray, spec: SimSpec) -> _Corpus:
-    segments = pack_documents(doc_lens, spec.seq_len, spec.packing, spec.seed)
+    """Pack (only the sequences ``max_windows`` needs) and count the whole corpus' sequences."""
+    max_sequences = None if spec.max_windows is None else spec.max_windows * spec.global_batch_size
+    if spec.packing is PackingMode.MEGATRON:  # stops early; the whole corpus' count is tokens // L
+        segments = pack_documents(doc_lens, spec.seq_len, spec.packing, spec.seed, max_sequences)
+        total = num_packed_upper_bound(doc_lens, spec.seq_len, spec.packing)
+    else:  # best_fit packs everything anyway (plan.packing): count it, then keep what the windows need
+        segments = pack_documents(doc_lens, spec.seq_len, spec.packing, spec.seed)
+        total, segments = len(segments), segments[:max_sequences]
     return _Corpus(segments, sequence_flops(segments), sequence_pair_heads(segments, spec.dims.num_q_heads),
-                   int(np.count_nonzero(doc_lens)))
+                   int(np.count_nonzero(doc_lens)), total)
 
 
 def _num_windows(num_sequences: int, spec: SimSpec) -> int:
@@ -518,14 +592,16 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
     """
     start = time.perf_counter()
     spec.validate()
-    _positive(jobs, "--jobs")
-    corpus = _pack_corpus(np.asarray(doc_lens, dtype=np.int64), spec)
-    num_windows = _num_windows(len(corpus.segments), spec)
+    check_jobs(jobs)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    check_run_cost(doc_lens, spec)
+    corpus = _pack_corpus(doc_lens, spec)
+    num_windows = _num_windows(corpus.num_sequences, spec)
     layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
     ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
                        spec.dims.elem_bytes, spec.cost)
     result = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), num_windows,
-                       len(corpus.segments), corpus.num_documents)
+                       corpus.num_sequences, corpus.num_documents)
     _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)
     try:
         for done, part in enumerate(_window_results(num_windows, jobs), start=1):

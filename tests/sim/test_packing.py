@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from libra_megatron.config import PackingMode
-from libra_megatron.plan.packing import best_fit_padding, pack_documents
+from libra_megatron.plan.packing import best_fit_padding, num_packed_upper_bound, pack_documents, packing_memory_bytes
 
 doc_lists = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=30)
 
@@ -98,3 +98,38 @@ def test_best_fit_is_deterministic_by_seed_and_shuffles_bins():
 def test_bad_packing_input_names_the_problem(bad, match):
     with pytest.raises(ValueError, match=match):
         pack_documents(*bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(doc_lens=doc_lists, seq_len=st.integers(min_value=1, max_value=50), seed=st.integers(0, 10),
+       max_sequences=st.integers(0, 12), mode=st.sampled_from(list(PackingMode)))
+def test_max_sequences_keeps_exactly_the_first_sequences_of_the_full_packing(doc_lens, seq_len, seed, max_sequences,
+                                                                             mode):
+    full = pack_documents(doc_lens, seq_len, mode, seed)
+    prefix = pack_documents(doc_lens, seq_len, mode, seed, max_sequences=max_sequences)
+    assert [x.tolist() for x in prefix] == [x.tolist() for x in full[:max_sequences]]
+    bound = num_packed_upper_bound(doc_lens, seq_len, mode)
+    assert bound == len(full) if mode is PackingMode.MEGATRON else bound >= len(full)
+
+
+@pytest.mark.parametrize("seq_len, mode", [(2048, "megatron"), (4096, "best_fit")])
+def test_packing_memory_estimate_is_an_upper_bound_of_the_measured_peak(seq_len, mode):
+    """tracemalloc peak of packing + the simulator's per-sequence arrays on real lengths (first 20K Linux docs)."""
+    import tracemalloc
+
+    from libra_megatron.plan.workload import sequence_flops
+    from libra_megatron.sim.baselines import sequence_pair_heads
+    from libra_megatron.testing.traces import trace_lengths
+
+    docs = trace_lengths("linux-6.12-files.qwen.txt")[:20000]
+    tracemalloc.start()
+    try:
+        segments = pack_documents(docs, seq_len, mode, 3)
+        sequence_flops(segments), sequence_pair_heads(segments, 8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = packing_memory_bytes(docs, seq_len, mode)
+    assert len(segments) > 5000 and peak <= estimate <= 4 * peak, (peak, estimate)
+    # with max_sequences, megatron's estimate (and its work) shrinks; best_fit's cannot
+    assert packing_memory_bytes(docs, seq_len, mode, max_sequences=10) < estimate / 2 or mode == "best_fit"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from libra_megatron.sim.__main__ import build_parser, main, spec_from_args
+from libra_megatron.sim.__main__ import build_parser, run, spec_from_args
 from libra_megatron.sim.report import format_table
 from libra_megatron.sim.runner import run_simulation
 
@@ -61,7 +61,7 @@ def test_table_shows_tau_and_m_columns_only_when_swept(swept):
 
 @pytest.mark.parametrize("heads, chunks, match", [
     (["--num-heads", "8"], ["1", "3"],
-     r"--num-chunks 3 .*must divide num_attention_heads/--libra-head-split = 8/1 = 8"),
+     r"--num-chunks 3 must divide num_attention_heads/--head-split = 8/1 = 8"),
     (["--num-heads", "12"], ["3"], r"--num-chunks 3 .*= 12/\(1\*3\) = 4 must be a multiple or a divisor of the GQA "
                                    r"group size 12/2 = 6"),
 ])
@@ -69,4 +69,4 @@ def test_bad_num_chunks_value_names_the_flag_and_the_arithmetic(tmp_path, heads,
     trace = tmp_path / "synthetic.txt"
     trace.write_text("\n".join(map(str, SYNTH)) + "\n")
     with pytest.raises(ValueError, match=match):
-        main(["--trace", str(trace)] + FLAGS + heads + ["--num-chunks", *chunks])
+        run(["--trace", str(trace)] + FLAGS + heads + ["--num-chunks", *chunks])
