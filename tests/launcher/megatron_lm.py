@@ -24,18 +24,29 @@ def in_ci(environ=None) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _getter_result():
+    """(path, None) or (None, the getter's error), asked once per process (a failed clone is not retried)."""
+    try:
+        return str(get_megatron_lm()), None
+    except MegatronLMNotFound as err:
+        return None, err
+
+
 def _find_megatron_lm() -> str:
-    return str(get_megatron_lm())
+    path, err = _getter_result()
+    if err is not None:
+        raise err
+    return path
 
 
 def megatron_lm_path() -> str:
     """The Megatron-LM root from the getter; fails under CI, skips elsewhere, when it cannot be had."""
-    try:
-        return _find_megatron_lm()
-    except MegatronLMNotFound as err:
-        if in_ci():
-            pytest.fail(f"CI must run every Megatron-LM test, but the getter failed: {err}", pytrace=False)
-        pytest.skip(f"Megatron-LM not available: {err}")
+    path, err = _getter_result()
+    if err is None:
+        return path
+    if in_ci():
+        pytest.fail(f"CI must run every Megatron-LM test, but the getter failed: {err}", pytrace=False)
+    pytest.skip(f"Megatron-LM not available: {err}")
 
 # A tiny Qwen3-shaped model: RoPE, qk-layernorm, GQA, RMSNorm, SwiGLU, no bias, untied embeddings.
 TINY_MODEL_ARGS = [

@@ -2,6 +2,7 @@
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,19 @@ def test_libra_yaml_files_hold_only_known_keys():
     for path in (REPO / "configs" / "libra").glob("*.yaml"):
         data = yaml.safe_load(path.read_text())
         LibraConfig.from_mapping(data["libra"], source=str(path))
+
+
+def test_patches_load_as_libra_megatron_patches_from_a_checkout_that_is_not_installed():
+    """scripts/pretrain_gpt_libra.py from a plain checkout (``-S``: no site-packages, so no installed or editable
+    libra_megatron): the launcher loads patches/ as libra_megatron.patches, never as a top-level 'patches'."""
+    code = (
+        "import sys\n"
+        "from libra_megatron.launch import import_patches\n"
+        "patches = import_patches()\n"
+        "import libra_megatron.patches._base as base\n"
+        "print(patches.__name__, len(patches.PATCH_POINTS), base.__name__, 'patches' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["libra_megatron.patches", "5", "libra_megatron.patches._base", "False"]
