@@ -19,6 +19,10 @@ What it does, in order, all before ``torch.distributed`` is initialised:
    ``LibraHooks`` and runs the program (default ``pretrain_gpt.py``) as ``__main__`` with
    ``sys.argv = [program, <remaining flags>]``.
 
+``--check-only`` stops after step 6 (the patches are verified, then undone): the torchrun scripts run it once,
+with ``WORLD_SIZE`` set, before starting the ranks, so a bad command line is one line, not one per rank
+plus torchrun's report.
+
 Every user error of steps 1-5 is one line, ``libra_megatron.launch: error: ...``, exit status 2
 (``libra_megatron.cli.run_cli``; ``--debug`` or ``LIBRA_DEBUG=1`` shows the traceback). ``--help`` prints
 the launcher's flags, then Megatron-LM's (with ``--libra-*``) when Megatron-LM can be found.
@@ -71,6 +75,9 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("--megatron-args-file", action="append", default=[],
                         help="file of Megatron flags (shell quoting, # comments), expanded in place; repeatable. "
                              "Relative --megatron-args-file/--libra-config paths inside it resolve against its folder")
+    parser.add_argument("--check-only", action="store_true",
+                        help="run every start-up check (Megatron-LM, CUDA, flags, patch targets) and exit; the "
+                             "scripts do this once before torchrun (set WORLD_SIZE for the DP-dependent checks)")
     add_debug_argument(parser)
     return parser
 
@@ -264,6 +271,11 @@ def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], No
 
     validate_run(parse_megatron_args(plan.program, plan.megatron_argv))
     patcher = install_hooks(plan.megatron_lm_path)
+    if known.check_only:
+        patcher.undo()
+        print(f"{TOOL}: start-up checks passed (Megatron-LM {plan.megatron_lm_path}, world size "
+              f"{os.environ.get('WORLD_SIZE', '1')})", file=sys.stderr, flush=True)
+        return 0
     if on_megatron_ready is not None:
         on_megatron_ready(plan)
     if os.environ.get("RANK", "0") == "0":

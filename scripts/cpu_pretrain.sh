@@ -20,5 +20,9 @@ case "${1:-}" in
 esac
 mlm="$("$py" -m libra_megatron.megatron_lm)"  # once here, so the ranks do not race to unpack or clone
 export MEGATRON_LM_PATH="$mlm"
+case " $* " in  # every Libra start-up check once, before any rank starts (one line on a bad command line)
+  *" --without-libra "*) ;;
+  *) WORLD_SIZE="$nproc" "$py" -m libra_megatron.testing.cpu_shims --check-only "$@" ;;
+esac
 exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
   -m libra_megatron.testing.cpu_shims "$@"

@@ -28,6 +28,9 @@ if [ -z "${MEGATRON_LM_PATH:-}" ]; then  # once per node, so the ranks do not ra
   mlm="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m libra_megatron.megatron_lm)"
   export MEGATRON_LM_PATH="$mlm"
 fi
+# Every start-up check once, before any rank starts: a bad command line is one line, not one per rank.
+WORLD_SIZE="$((NNODES * GPUS_PER_NODE))" "$PYTHON" "$root/scripts/pretrain_gpt_libra.py" --check-only \
+  --megatron-args-file "$config" "$@"
 exec "$PYTHON" -m torch.distributed.run \
   --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \

@@ -122,24 +122,42 @@ def libra_config_from_args(args: Any) -> LibraConfig:
     """Defaults < YAML (``--libra-config``) < ``--libra-*`` flags < ablations; validated against the model/run.
 
     Reads ``num_attention_heads``, ``num_query_groups`` (only with ``group_query_attention``),
-    ``data_parallel_size`` (else world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``,
-    ``micro_batch_size`` and ``global_batch_size`` from ``args``. Raises ValueError naming the flag the
-    user gave, or the YAML key and its ``file:line`` for a value read from ``--libra-config``.
+    ``tensor_model_parallel_size`` (the operator sees each TP rank's heads), ``data_parallel_size`` (else
+    world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``, ``micro_batch_size`` and
+    ``global_batch_size`` from ``args``. Raises ValueError naming the flag the user gave, or the YAML key and
+    its ``file:line`` for a value read from ``--libra-config``.
     """
     path = getattr(args, "libra_config", None)
     base = LibraConfig.from_yaml(path, flag="--libra-config") if path is not None else LibraConfig()
     config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    heads, groups, tp = _heads_per_tensor_parallel_rank(args)
     gbs = getattr(args, "global_batch_size", None)
-    return config.validate(
-        num_attention_heads=int(args.num_attention_heads),
-        num_query_groups=int(groups) if groups else None,
-        data_parallel_size=_data_parallel_size(args),
-        context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
-        seq_length=getattr(args, "seq_length", None),
-        micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
-        global_batch_size=int(gbs) if gbs is not None else None,
-    )
+    try:
+        return config.validate(
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            data_parallel_size=_data_parallel_size(args),
+            context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+            seq_length=getattr(args, "seq_length", None),
+            micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
+            global_batch_size=int(gbs) if gbs is not None else None,
+        )
+    except ValueError as err:
+        if tp == 1:
+            raise
+        raise ValueError(f"{err} (heads per tensor-parallel rank: --num-attention-heads "
+                         f"{args.num_attention_heads} / --tensor-model-parallel-size {tp})") from err
+
+
+def _heads_per_tensor_parallel_rank(args: Any) -> tuple:
+    """(query heads, kv groups or None, TP) of one TP rank: what the Libra operator plans over."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    hq = int(args.num_attention_heads)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    for name, count in (("--num-attention-heads", hq), ("--num-query-groups", groups)):
+        if count and int(count) % tp:
+            raise ValueError(f"{name} {count} must be divisible by --tensor-model-parallel-size {tp}")
+    return hq // tp, (int(groups) // tp if groups else None), tp
 
 
 def _describe_sources(config: LibraConfig, args: Any) -> str:

@@ -140,14 +140,18 @@ def test_multi_node_script_requires_its_rendezvous_variables(tmp_path):
 def test_torchrun_script_runs_in_the_users_directory_with_the_config_as_given(tmp_path):
     """No cd into the repository: the user's relative --data-path/--save keep meaning their directory."""
     recorder = tmp_path / "python"
-    recorder.write_text("#!/bin/sh\npwd\nprintf '%s\\n' \"$@\"\n")
+    recorder.write_text("#!/bin/sh\necho CALL WORLD_SIZE=$WORLD_SIZE\npwd\nprintf '%s\\n' \"$@\"\n")
     recorder.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(recorder), "MEGATRON_LM_PATH": "/opt/Megatron-LM"}
     result = subprocess.run(["bash", str(REPO / "scripts" / "torchrun_single_node.sh"), "configs/qwen3-8b-256k.args",
                              "--data-path", "data/text", "--save", "ckpt"],
                             capture_output=True, text=True, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    check, run = [call.splitlines()[1:] for call in result.stdout.split("CALL ")[1:]]
+    assert result.stdout.startswith("CALL WORLD_SIZE=8\n")  # --check-only once, for the whole job's world size
+    assert check[1:3] == [str(REPO / "scripts" / "pretrain_gpt_libra.py"), "--check-only"]
+    assert check[-6:] == run[-6:]
+    lines = run
     assert lines[0] == str(tmp_path)
     assert lines[lines.index("-m") + 1] == "torch.distributed.run"
     assert str(REPO / "scripts" / "pretrain_gpt_libra.py") in lines

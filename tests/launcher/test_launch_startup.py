@@ -45,7 +45,10 @@ BAD = [  # (case, world size, argv, message pattern)
      r"^--libra-pool-size \(pool_size\) 3 must divide the data-parallel size 4 \(4 % 3 = 1\)$"),
     ("pool-size-not-int", 2, GOOD + ["--libra-pool-size", "two"],
      r"^argument --libra-pool-size: invalid int value: 'two'$"),
-    ("missing-yaml", 2, GOOD + ["--libra-config", "nope.yaml"], r"^--libra-config nope.yaml: no such file$"),
+    ("missing-yaml", 2, GOOD + ["--libra-config", "nope.yaml"], r"^--libra-config nope.yaml: "),
+    ("chunks-vs-heads-per-tp-rank", 2, GOOD + ["--tensor-model-parallel-size", "2"],
+     r"^--libra-num-chunks \(num_chunks\) 4 must divide num_attention_heads/--libra-head-split = 2/1 = 2 "
+     r"\(heads per tensor-parallel rank: --num-attention-heads 4 / --tensor-model-parallel-size 2\)$"),
 ]
 
 
@@ -133,3 +136,15 @@ def test_help_with_megatron_lm_adds_megatrons_flags_and_libras(megatron_lm_path,
     launcher, megatron = result.stdout.split("Megatron-LM's pretrain_gpt.py flags", 1)
     assert "--megatron-lm-path" in launcher
     assert "--num-layers" in megatron and "--libra-pool-size" in megatron and "--libra-config" in megatron
+
+
+@needs_megatron_lm
+def test_cpu_pretrain_script_checks_once_before_torchrun_starts_any_rank(megatron_lm_path, tmp_path):
+    """A bad command line through scripts/cpu_pretrain.sh: one line and exit 2, no per-rank or torchrun output."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_LM_PATH=megatron_lm_path)
+    result = subprocess.run(["bash", str(REPO / "scripts" / "cpu_pretrain.sh"), "--nproc-per-node", "2"]
+                            + GOOD + ["--tensor-model-parallel-size", "2"], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=tmp_path)
+    line = _one_error_line(result)
+    assert "(heads per tensor-parallel rank: --num-attention-heads 4 / --tensor-model-parallel-size 2)" in line
+    assert result.stdout == ""
