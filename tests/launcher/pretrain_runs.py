@@ -18,32 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .megatron_lm import REPO, TINY_MODEL_ARGS
+from .megatron_lm import REPO
 
-SEQ_LEN = 1024
-GLOBAL_BATCH = 8
-TRAIN_ITERS = 4
-_DROP = {"--mock-data", "--no-create-attention-mask-in-dataloader"}
-_DROP_WITH_VALUE = {"--train-iters", "--lr"}
+TINY_CPU_ARGS = REPO / "configs" / "cpu" / "tiny-qwen3.args"
+TRAIN_ITERS = 4  # --train-iters in that file (checked by common_flags)
 
 
 def common_flags(data_prefix: str, cache_dir: str) -> List[str]:
-    """pretrain_gpt.py flags shared by the Libra and the plain run: tiny Qwen3 shape, real indexed data."""
-    base, i = [], 0
-    while i < len(TINY_MODEL_ARGS):
-        item = TINY_MODEL_ARGS[i]
-        if item in _DROP_WITH_VALUE:
-            i += 2
-            continue
-        if item not in _DROP:
-            base.append(item)
-        i += 1
-    return base + [
-        "--data-path", data_prefix, "--split", "100,0,0", "--data-cache-path", cache_dir,
-        "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(SEQ_LEN),
-        "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERS),
-        "--lr", "1e-2", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    ]
+    """pretrain_gpt.py flags shared by the Libra and the plain run: configs/cpu/tiny-qwen3.args (the tiny
+    Qwen3 shape, L=1024, GBS=8, 4 iterations) and a real indexed dataset."""
+    from libra_megatron.launch import expand_args_files
+
+    flags = expand_args_files(["--megatron-args-file", str(TINY_CPU_ARGS)])
+    assert flags[flags.index("--train-iters") + 1] == str(TRAIN_ITERS)
+    return ["--megatron-args-file", str(TINY_CPU_ARGS), "--data-path", data_prefix, "--data-cache-path", cache_dir]
 
 
 LIBRA_FLAGS = ["--no-create-attention-mask-in-dataloader", "--spec", "libra_megatron.megatron.spec",

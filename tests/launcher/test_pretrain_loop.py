@@ -4,7 +4,7 @@
 Data: a real Megatron indexed dataset (.bin/.idx) whose documents have the lengths of the first 400 files of
 the linux-6.12 trace shipped in data/traces (median 367 tokens, max 41,356: several EOD-separated documents
 per 1024-token sequence, a few sequences inside one long document); tokens are synthetic. Model: the tiny
-Qwen3-shaped GPT of ``TINY_MODEL_ARGS``. Four iterations of GBS=8 sequences, L=1024.
+Qwen3-shaped GPT of ``configs/cpu/tiny-qwen3.args``. Four iterations of GBS=8 sequences, L=1024.
 
 Five runs, shared by the tests (about two minutes on two cores):
 
