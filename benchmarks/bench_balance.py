@@ -1,4 +1,4 @@
-"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shared real traces, in estimated FLOPs.
+"""Balance of VRSP (inter-pool) and TAP (intra-pool) on the shipped real traces (data/traces), in estimated FLOPs.
 
 Run:  .venv/bin/python benchmarks/bench_balance.py [--windows N]
 

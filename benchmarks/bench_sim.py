@@ -1,6 +1,6 @@
 """Simulator wall time: serial vs forked windows, and where the time goes, measured in one run.
 
-Run:  .venv/bin/python benchmarks/bench_sim.py --trace ../shared/data/traces/linux-6.12-files.qwen.txt [--windows 4]
+Run:  .venv/bin/python benchmarks/bench_sim.py --trace data/traces/linux-6.12-files.qwen.txt [--windows 4]
 
 Setting: L=256K, GBS=128, DP=32, CP=8, P in {4, 8}, H in {1, 2}, B=4096, qwen3-30b-a3b heads. Prints the
 seconds per window for jobs=1 and jobs=2 side by side (and their ratio), the share of wall time spent in

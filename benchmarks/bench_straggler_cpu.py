@@ -312,7 +312,7 @@ def run(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--calibration", default=None,
                     help="JSON from benchmarks/calibrate_cpu.py (same heads per call); default: calibrate inline")
-    ap.add_argument("--trace", default=TRACE, help="document-length trace (data/traces or ../shared/data/traces)")
+    ap.add_argument("--trace", default=TRACE, help="document-length trace (a file, or a name in data/traces or $LIBRA_TRACE_DIR)")
     ap.add_argument("--replay", action="store_true", help="also re-time every rank's calls serially (see above)")
     ap.add_argument("--replay-reps", type=int, default=3, help="replay runs per call (minimum kept)")
     ap.add_argument("--dump", default=None, help="write per-rank measured/predicted seconds as JSON here")

@@ -187,7 +187,7 @@ def test_main_script_rejects_bad_flags_in_one_line_before_building_anything():
 
 
 def test_main_driver_checks_counts_trace_and_workdir(capsys, tmp_path, monkeypatch):
-    from libra_megatron.megatron.train_cpu import main
+    from libra_megatron.testing.train_cpu import main
 
     monkeypatch.delenv("LIBRA_DEBUG", raising=False)
     for argv, pattern in ((["--steps", "0"], "--steps must be a positive integer, got 0"),

@@ -129,3 +129,19 @@ def test_import_scanner_sees_relative_and_absolute_imports():
     sample = PACKAGE / "plan" / "placement.py"
     assert "libra_megatron.plan.tiles" in _imports(sample)
     assert "libra_megatron.config.TilePlacement" in _imports(sample)
+
+
+def test_nothing_outside_testing_imports_testing():
+    """testing/ is the test harness (CPU shims, gloo runner, CPU driver): product code never depends on it."""
+    testing = PACKAGE / "testing"
+    product = _files() + sorted((PACKAGE.parent / "patches").rglob("*.py"))  # patches/ ships with the package
+    offenders = [
+        (str(f.relative_to(PACKAGE.parent)), m)
+        for f in product
+        if testing not in f.parents
+        for m in _imports(f)
+        if m.startswith("libra_megatron.testing")
+    ]
+    assert offenders == []
+    # the scanner resolves the relative imports testing/ itself uses
+    assert "libra_megatron.testing.cpu_shims" in _imports(testing / "train_cpu.py")

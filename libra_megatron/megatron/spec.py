@@ -12,17 +12,20 @@ MoE, with or without qk-layernorm), a ``TransformerBlockSubmodules`` with ``laye
 ``core_attention`` builder. The input spec is not modified (a deep copy is returned).
 
 For Megatron-LM's ``--spec MODULE NAME`` (``gpt_builders.py`` does ``import_module((MODULE, NAME))``,
-which returns the module attribute itself, uncalled), this module defines spec *objects*:
+which returns the module attribute itself, uncalled, when it builds the model -- after ``parse_args``):
 
-    libra_local_spec         local backend, dense, no qk-layernorm
-    libra_local_qk_spec      local backend, dense, qk-layernorm (Qwen3)
+    libra_gpt_spec           each layer is built from the run's flags when the model is built
+                             (``libra_gpt_spec_from_args``): the layer Megatron-LM itself would build --
+                             backend from --transformer-impl, MoE from --num-experts, grouped GEMM from
+                             --moe-grouped-gemm, --qk-layernorm, --normalization -- with LibraCoreAttention.
+                             What configs/*.args use.
+    libra_te_spec,           the same with the Transformer Engine backend forced (older names; a missing TE is
+    libra_te_moe_spec        an ImportError naming the package)
+    libra_local_spec         local backend, dense, no qk-layernorm          (fixed objects, for tests and
+    libra_local_qk_spec      local backend, dense, qk-layernorm (Qwen3)      megatron-core users)
     libra_local_moe_spec     local backend, MoE (SequentialMLP experts), qk-layernorm
-    libra_te_spec            Transformer Engine backend, dense, qk-layernorm (Qwen3)
-    libra_te_moe_spec        Transformer Engine backend, MoE, qk-layernorm
 
-e.g. ``pretrain_gpt.py --spec libra_megatron.megatron.spec libra_te_spec ...``. The TE specs are built
-only when Transformer Engine imports; otherwise they are placeholder layer specs whose construction
-raises ``ImportError`` naming the missing package (so ``--spec`` fails clearly, not with a None).
+e.g. ``pretrain_gpt.py --spec libra_megatron.megatron.spec libra_gpt_spec ...``.
 """
 from __future__ import annotations
 
@@ -42,15 +45,14 @@ __all__ = [
     "libra_gpt_layer_spec",
     "libra_core_attention_builder",
     "count_core_attention",
+    "libra_gpt_spec_from_args",
+    "libra_gpt_spec",
+    "libra_te_spec",
+    "libra_te_moe_spec",
     "libra_local_spec",
     "libra_local_qk_spec",
     "libra_local_moe_spec",
-    "libra_te_spec",
-    "libra_te_moe_spec",
 ]
-
-_MOE_SPEC_EXPERTS = 8  # the spec only needs "MoE or not"; the expert count comes from the config
-
 
 def libra_core_attention_builder(pool_group=None, kernel_backend: Optional[KernelBackendName] = None):
     """A ``CoreAttentionBuilder`` for LibraCoreAttention: the class, or a ModuleSpec binding extra kwargs."""
@@ -127,30 +129,18 @@ def count_core_attention(spec, builder=LibraCoreAttention) -> int:
 
 
 # ---------------------------------------------------------------- Megatron-LM --spec objects
-class _TransformerEngineMissingLayer(TransformerLayer):
-    """Placeholder layer of the TE specs when Transformer Engine is not importable."""
-
-    def __init__(self, *args, **kwargs):  # noqa: D401 - raising constructor
-        raise ImportError(
-            "libra_megatron.megatron.spec: libra_te_spec / libra_te_moe_spec need transformer_engine, "
-            f"which failed to import ({_TE_ERROR}); use libra_local_qk_spec or install Transformer Engine"
-        )
-
-
-_TE_ERROR = ""
-
-
-def _te_spec(num_experts: Optional[int]):
-    global _TE_ERROR
+def _te_layer_spec(**kwargs):
+    """``get_gpt_layer_with_transformer_engine_spec(**kwargs)``; ImportError naming the package without TE."""
     try:
         import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except Exception as exc:  # noqa: BLE001 - a broken TE install fails the same way as a missing one
+        raise ImportError(
+            "libra_megatron.megatron.spec: --transformer-impl transformer_engine needs transformer_engine, which "
+            f"failed to import ({type(exc).__name__}: {exc}); install it, or use --transformer-impl local"
+        ) from exc
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return swap_core_attention(get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, qk_layernorm=True))
-    except Exception as exc:  # noqa: BLE001 - any TE import/build failure makes the spec a placeholder
-        _TE_ERROR = f"{type(exc).__name__}: {exc}"
-        return ModuleSpec(module=_TransformerEngineMissingLayer)
+    return get_gpt_layer_with_transformer_engine_spec(**kwargs)
 
 
 def _local_spec(**kwargs):
@@ -166,8 +156,72 @@ def _local_spec(**kwargs):
             backends.LNImpl = saved
 
 
+def libra_gpt_spec_from_args(args, backend: Optional[str] = None) -> ModuleSpec:
+    """The GPT layer spec Megatron-LM's ``gpt_builder`` builds for ``args``, with ``LibraCoreAttention``.
+
+    Read from ``args`` (Megatron-LM's parsed flags): ``--transformer-impl`` (``backend`` overrides it),
+    ``--num-experts``, ``--moe-grouped-gemm``, ``--moe-use-legacy-grouped-gemm``, ``--qk-layernorm``,
+    ``--qk-l2-norm``, ``--normalization`` (local backend). Every layer gets the same spec, so a mixed
+    dense/MoE ``--moe-layer-freq`` is rejected (ValueError) rather than silently built all-MoE.
+    """
+    impl = backend or getattr(args, "transformer_impl", "transformer_engine")
+    num_experts = getattr(args, "num_experts", None) or None
+    freq = getattr(args, "moe_layer_freq", 1)
+    if num_experts and freq not in (1, None):
+        raise ValueError(f"--moe-layer-freq {freq}: libra_gpt_spec builds one layer spec for every layer (all "
+                         f"MoE); build a block spec and call swap_core_attention on it for mixed layers")
+    common = dict(num_experts=num_experts, moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+                  qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+                  moe_use_legacy_grouped_gemm=bool(getattr(args, "moe_use_legacy_grouped_gemm", False)),
+                  qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)))
+    if impl == "transformer_engine":
+        return swap_core_attention(_te_layer_spec(**common))
+    if impl == "local":
+        return _local_spec(normalization=getattr(args, "normalization", "LayerNorm"), **common)
+    raise ValueError(f"--transformer-impl {impl}: libra_gpt_spec supports 'transformer_engine' and 'local'")
+
+
+def _megatron_lm_args():
+    """The parsed flags of the running Megatron-LM program (``megatron.training.get_args()``)."""
+    try:
+        from megatron.training import get_args
+
+        return get_args()
+    except (ImportError, AssertionError) as exc:
+        raise ValueError(
+            "libra_megatron.megatron.spec: libra_gpt_spec / libra_te_spec / libra_te_moe_spec are built from "
+            "Megatron-LM's parsed arguments when gpt_builder reads --spec; outside a Megatron-LM run call "
+            f"libra_gpt_spec_from_args(args) ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+class _LayerFromRunArgs(TransformerLayer):
+    """Layer class of ``libra_gpt_spec``: builds the layer that ``libra_gpt_spec_from_args`` gives for the
+    running program's flags, at model-build time (``TransformerBlock`` calls it once per layer with the
+    layer's config, number, process groups and vp stage). ``__new__`` returns that layer, a plain
+    ``TransformerLayer`` (or MoE/TE variant), so this class never appears in a model."""
+
+    backend: Optional[str] = None  # None: --transformer-impl decides
+
+    def __new__(cls, *args, submodules=None, **kwargs):  # noqa: D102 - see the class docstring
+        from megatron.core.transformer.spec_utils import build_module
+
+        spec = libra_gpt_spec_from_args(_megatron_lm_args(), backend=cls.backend)
+        return build_module(spec, *args, **kwargs)
+
+
+class _TELayerFromRunArgs(_LayerFromRunArgs):
+    backend = "transformer_engine"
+
+
+# Megatron-LM's import_module reads vars(module)[NAME], so these are real module attributes; what they build
+# is decided when the model is built, after parse_args. libra_te_spec / libra_te_moe_spec: the older names
+# (TE backend forced); both read --num-experts and --moe-grouped-gemm like libra_gpt_spec.
+libra_gpt_spec = ModuleSpec(module=_LayerFromRunArgs)
+libra_te_spec = ModuleSpec(module=_TELayerFromRunArgs)
+libra_te_moe_spec = libra_te_spec
+
+_MOE_SPEC_EXPERTS = 8  # the spec only needs "MoE or not"; the expert count comes from the config
 libra_local_spec = _local_spec()
 libra_local_qk_spec = _local_spec(qk_layernorm=True, normalization="RMSNorm")
 libra_local_moe_spec = _local_spec(num_experts=_MOE_SPEC_EXPERTS, qk_layernorm=True, normalization="RMSNorm")
-libra_te_spec = _te_spec(None)
-libra_te_moe_spec = _te_spec(_MOE_SPEC_EXPERTS)

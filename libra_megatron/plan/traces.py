@@ -75,11 +75,10 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 def trace_dirs() -> list:
-    """Folders searched by ``find_trace``, in order: $LIBRA_TRACE_DIR, the repository's ``data/traces``
-    (ships the Linux trace), and the shared traces folder beside the checkout (``../shared/data/traces``)."""
-    dirs = [os.environ.get("LIBRA_TRACE_DIR", "")]
-    dirs += [os.path.join(_REPO_ROOT, "data", "traces"),
-             os.path.join(os.path.dirname(_REPO_ROOT), "shared", "data", "traces")]
+    """Folders searched by ``find_trace``, in order: $LIBRA_TRACE_DIR (your own traces), then the
+    repository's ``data/traces``, which ships every trace the tests, benchmarks and main job use. Nothing
+    outside the checkout is searched: a fresh clone behaves the same everywhere."""
+    dirs = [os.environ.get("LIBRA_TRACE_DIR", ""), os.path.join(_REPO_ROOT, "data", "traces")]
     return [d for d in dirs if d]
 
 

@@ -1,7 +1,7 @@
 """``python -m libra_megatron.sim`` / ``libra-sim``: choose P, H, B, tau, M for a corpus (§5; review objections 2, 4).
 
-Example (the shared traces live in ``../shared/data/traces/`` relative to the checkout):
-    python -m libra_megatron.sim --trace ../shared/data/traces/linux-6.12-files.qwen.txt \
+Example (the traces ship in ``data/traces/`` of the checkout):
+    python -m libra_megatron.sim --trace data/traces/linux-6.12-files.qwen.txt \
         --seq-len 262144 --gbs 128 --dp 32 --cp 8 --pool-size 4 8 16 --head-split 1 2 4 \
         --block-size 4096 8192 --model qwen3-30b-a3b --json out.json --plots plots/
 

@@ -20,7 +20,7 @@ LINUX_TRACE = "linux-6.12-files.qwen.txt"
 
 @functools.lru_cache(maxsize=None)
 def trace_lengths(name: str = LINUX_TRACE) -> np.ndarray:
-    """Document lengths of a shared trace (read once per process). Do not modify the returned array."""
+    """Document lengths of a shipped trace (read once per process). Do not modify the returned array."""
     return load_trace(find_trace(name))
 
 

@@ -1,4 +1,4 @@
-"""Against the real Megatron-LM (core_v0.16.1): patch targets, parse_args with our provider, every config.
+"""Against the real Megatron-LM (core_v0.16.1): patch targets, parse_args with our provider, the model flags.
 
 Megatron-LM comes from the project's getter (``libra_megatron.megatron_lm``); under CI these tests fail,
 never skip, when it cannot be had. The model / data-loader / forward step tests run in gloo processes
@@ -12,13 +12,11 @@ import pytest
 from .megatron_lm import (
     REPO,
     TINY_MODEL_ARGS,
-    emulate_hopper_for_argument_validation,
     import_megatron_training,
     needs_megatron_lm,
 )
 
 pytestmark = needs_megatron_lm
-RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
 
 
 class _NoopHooks:
@@ -159,29 +157,7 @@ def test_libra_validation_names_the_flag_and_arithmetic(installed, monkeypatch):
         libra_config_from_args(args)
 
 
-@pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: p.stem)
-def test_run_config_parses_and_validates_through_megatron(config, installed, monkeypatch):
-    """Every config: Megatron's parse_args + validate_args at the config's smallest job, then LibraConfig."""
-    import re
-
-    from megatron.training.arguments import validate_args
-
-    from libra_megatron.config import LibraConfig
-    from libra_megatron.launch import expand_args_files
-    from libra_megatron.megatron.args import libra_config_from_args
-
-    emulate_hopper_for_argument_validation(monkeypatch)
-    monkeypatch.chdir(REPO)
-    gpus = int(re.search(r"smallest job is (\d+) GPUs", config.read_text()).group(1))
-    monkeypatch.setenv("WORLD_SIZE", str(gpus))
-    argv = expand_args_files(["--megatron-args-file", str(config)]) + ["--train-iters", "10", "--mock-data"]
-    args = _parse(monkeypatch, argv)
-    args.world_size = gpus
-    validate_args(args, {})
-    assert args.data_parallel_size == 8 and args.micro_batch_size == 1
-    cfg = libra_config_from_args(args)
-    assert cfg == LibraConfig.from_yaml(str(REPO / args.libra_config))
-    assert args.spec[0] == "libra_megatron.megatron.spec"
+# Every run config through parse_args/validate_args and Libra's checks: test_shipped_configs.py.
 
 
 @pytest.mark.parametrize("model", ["8B", "30B-A3B", "235B-A22B"])

@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import pytest
 
-from libra_megatron.megatron.train_cpu import PARITY_RTOL, RunConfig, compare_runs, prepare_data, run_training
+from libra_megatron.testing.train_cpu import PARITY_RTOL, RunConfig, compare_runs, prepare_data, run_training
 
 STEPS = 10
 BASE = RunConfig(dp=4, cp=1, pool_size=2, steps=STEPS, seq_len=256, grad_accum=2, libra=False, data="trace",
-                 max_docs=3000, vocab=512, head_split=2, num_chunks=2, block_size=32)
+                 tokens="synthetic", max_docs=3000, vocab=512, head_split=2, num_chunks=2, block_size=32)
 LIBRA = {
     "dp4_p2": replace(BASE, libra=True),
     "dp4_p4": replace(BASE, libra=True, pool_size=4),
@@ -58,7 +58,7 @@ def test_libra_really_reorders_and_migrates(runs):
         assert any(s["intra_pool_max_over_mean_placed"] < s["intra_pool_max_over_mean_home"] for s in steps), name
         assert all(s["intra_pool_max_over_mean_placed"] <= s["intra_pool_max_over_mean_home"] + 1e-12
                    for s in steps), name
-        assert sum(s["bytes_per_layer"] for s in steps) > 0, name
+        assert sum(s["bytes_per_step"] for s in steps) > 0, name
         assert all(s["inter_pool_r1_after"] <= s["inter_pool_r1_before"] + 1e-12 for s in steps), name
         if LIBRA[name].dp == BASE.dp:
             libra_order = [[r[s]["samples"] for r in per_rank] for s in range(STEPS)]

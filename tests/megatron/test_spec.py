@@ -68,20 +68,109 @@ def test_module_level_specs_for_megatron_lm_dash_dash_spec_are_objects_not_funct
     assert qk.q_layernorm is WrappedTorchNorm and qk.k_layernorm is WrappedTorchNorm
 
 
-def test_te_specs_fail_clearly_when_transformer_engine_is_missing():
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        for name in ("libra_te_spec", "libra_te_moe_spec"):
-            placeholder = getattr(libra_spec, name)
-            with pytest.raises(ImportError, match="transformer_engine"):
-                placeholder.module()
-    else:
-        assert count_core_attention(libra_spec.libra_te_spec) == 1
-        assert count_core_attention(libra_spec.libra_te_moe_spec) == 1
+def _run_args(**overrides):
+    """Megatron-LM's parsed flags as gpt_builder sees them (only the fields the spec reads)."""
+    from types import SimpleNamespace
+
+    base = dict(transformer_impl="local", num_experts=None, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
+                qk_layernorm=True, qk_l2_norm=False, normalization="RMSNorm", moe_layer_freq=1)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_args_spec_honours_moe_grouped_gemm_on_the_local_backend(grouped):
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+    spec = libra_spec.libra_gpt_spec_from_args(_run_args(num_experts=8, moe_grouped_gemm=grouped))
+    assert spec.submodules.mlp.submodules.experts.module is (GroupedMLP if grouped else SequentialMLP)
+    assert count_core_attention(spec) == 1
+    attention = spec.submodules.self_attention.submodules
+    assert attention.q_layernorm is WrappedTorchNorm and attention.k_layernorm is WrappedTorchNorm
+
+
+def test_args_spec_follows_num_experts_and_qk_layernorm():
+    dense = libra_spec.libra_gpt_spec_from_args(_run_args(qk_layernorm=False))
+    assert "experts" not in repr(dense.submodules.mlp)
+    assert dense.submodules.self_attention.submodules.q_layernorm is not WrappedTorchNorm
+    assert count_core_attention(dense) == 1
+
+
+def _recording_te_builder(calls):
+    """A stand-in for get_gpt_layer_with_transformer_engine_spec with its real signature (calls bind to it)."""
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    real = inspect.signature(gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec)
+
+    def fake(*args, **kwargs):
+        calls.append(real.bind(*args, **kwargs).arguments)
+        return get_gpt_layer_local_spec(num_experts=kwargs.get("num_experts"), qk_layernorm=kwargs.get("qk_layernorm"))
+
+    return fake
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_te_backend_gets_the_runs_moe_flags(grouped, monkeypatch):
+    """The TE layer spec is requested with the run's --num-experts / --moe-grouped-gemm / --qk-layernorm."""
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setattr("megatron.core.models.gpt.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec",
+                        _recording_te_builder(calls))
+    args = _run_args(transformer_impl="local", num_experts=16, moe_grouped_gemm=grouped)
+    spec = libra_spec.libra_gpt_spec_from_args(args, backend="transformer_engine")
+    assert count_core_attention(spec) == 1
+    assert [(c["num_experts"], c["moe_grouped_gemm"], c["qk_layernorm"]) for c in calls] == [(16, grouped, True)]
+
+
+def test_spec_names_are_module_attributes_building_layers_from_the_run():
+    """Megatron-LM's import_module reads vars(module)[NAME]; the backend of each name."""
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    backends = {name: import_module(("libra_megatron.megatron.spec", name)).module.backend
+                for name in ("libra_gpt_spec", "libra_te_spec", "libra_te_moe_spec")}
+    assert backends == {"libra_gpt_spec": None, "libra_te_spec": "transformer_engine",
+                        "libra_te_moe_spec": "transformer_engine"}
+    assert issubclass(libra_spec.libra_gpt_spec.module, TransformerLayer)  # what TransformerBlock requires
+
+
+def test_args_specs_outside_a_megatron_lm_run_say_how_to_build_one(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # import fails as without Megatron-LM
+    with pytest.raises(ValueError, match="libra_gpt_spec_from_args"):
+        libra_spec.libra_gpt_spec.module(config=None, layer_number=1)
+
+
+def test_te_backend_without_transformer_engine_is_an_import_error_naming_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(ImportError, match="transformer_engine.*--transformer-impl local"):
+        libra_spec.libra_gpt_spec_from_args(_run_args(transformer_impl="transformer_engine"))
+
+
+def test_mixed_dense_and_moe_layers_are_rejected_by_name():
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        libra_spec.libra_gpt_spec_from_args(_run_args(num_experts=8, moe_layer_freq=[1, 0]))
 
 
 # ------------------------------------------------------------------ real models (one gloo rank)
+def _fake_megatron_lm_args(**overrides):
+    """In this worker process only: ``megatron.training.get_args()`` returns these flags (no Megatron-LM needed)."""
+    import sys
+    import types
+
+    training = types.ModuleType("megatron.training")
+    args = _run_args(**overrides)
+    training.get_args = lambda: args
+    sys.modules["megatron.training"] = training
+
+
 def _build_models_on_rank(rank, world_size):
     import torch
     from megatron.core import parallel_state as ps
@@ -101,8 +190,10 @@ def _build_models_on_rank(rank, world_size):
     dense = TransformerConfig(**common)
     moe = TransformerConfig(**common, num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
                             moe_aux_loss_coeff=0.0)
+    _fake_megatron_lm_args(transformer_impl="local", num_experts=4, moe_grouped_gemm=False)
     specs = {
         "dense_qk_module_level": (dense, libra_spec.libra_local_qk_spec),
+        "moe_from_run_args": (moe, libra_spec.libra_gpt_spec),
         "moe_block_spec": (moe, swap_core_attention(get_gpt_decoder_block_spec(moe, use_transformer_engine=False,
                                                                                normalization="RMSNorm"))),
     }
@@ -112,6 +203,8 @@ def _build_models_on_rank(rank, world_size):
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=32,
                          position_embedding_type="rope")
         kinds = [type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers]
+        if name == "moe_from_run_args":
+            kinds += [type(layer.mlp.experts).__name__ for layer in model.decoder.layers]
         tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
         loss = model(tokens, torch.arange(24)[None], None, labels=tokens)
         loss.sum().backward()
@@ -125,6 +218,8 @@ def test_swapped_specs_build_gpt_models_whose_core_attention_is_libra():
     from libra_megatron.testing.dist import run_distributed
 
     built = run_distributed(_build_models_on_rank, 1, timeout=300)[0]
+    moe_kinds = built.pop("moe_from_run_args")
+    assert moe_kinds[0] == ["LibraCoreAttention"] * 2 + ["SequentialMLP"] * 2 and all(moe_kinds[1:])
     for name, (kinds, loss_ok, grads_ok) in built.items():
         assert kinds == ["LibraCoreAttention", "LibraCoreAttention"], f"{name}: {kinds}"
         assert loss_ok and grads_ok, f"{name}: loss or gradients not finite"

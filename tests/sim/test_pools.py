@@ -1,6 +1,5 @@
 """Per-worker traffic of a pool (sim/pools.py) against the exchange plan, on a slice of the real Linux trace."""
 
-import os
 
 import numpy as np
 import pytest
@@ -23,8 +22,6 @@ LINUX = find_trace("linux-6.12-files.qwen.txt")
 
 @pytest.fixture(scope="module")
 def linux_slice():
-    if not os.path.isfile(LINUX):
-        pytest.skip("shared traces not present")
     return load_trace(LINUX)[:4000]  # first 4000 documents of the real trace (arch/ files, path order)
 
 

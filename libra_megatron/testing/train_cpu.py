@@ -1,12 +1,20 @@
 """CPU end-to-end training run: a tiny Qwen3-shaped megatron-core GPTModel on gloo, with and without Libra.
 
-    python -m libra_megatron.megatron.train_cpu --dp 4 --pool-size 2 --steps 20 --seq-len 256 --compare
+    python -m libra_megatron.testing.train_cpu --compare [--json summary.json]      # scripts/main.sh
+
+It lives in ``testing/`` because it runs megatron-core on CPU through the test harness (``cpu_shims``,
+``dist.run_distributed``); product code never imports it.
 
 Model: megatron-core ``GPTModel`` (RoPE, qk-layernorm, GQA, RMSNorm, SwiGLU, tied embeddings) built from
 ``spec.libra_local_qk_spec`` -- so every core attention is ``LibraCoreAttention`` in both runs.
-Data: a real corpus in Megatron's indexed format (``corpus.py``: the Python stdlib tokenized with the
-Qwen2 BPE, or document lengths of a real trace with synthetic tokens), a megatron-core ``GPTDataset``
-over it, and per-sample document segments from ``segments.gpt_sample_segments`` (index metadata only).
+Data (``--data``): a real corpus in Megatron's indexed format (``megatron/corpus.py``), a megatron-core
+``GPTDataset`` over it, and per-sample document segments from ``segments.gpt_sample_segments``:
+    trace    (default) documents of the real lengths of a shipped trace (``--trace``, Wikipedia: median
+             347 tokens, tail to 1.8M), each length times ``--doc-scale``, filled with real text: the Python
+             stdlib's Qwen2 tokens (``--tokens stdlib``) or seeded synthetic ids (``--tokens synthetic``).
+             At L = 2048 most documents are shorter than a sequence while a few fill whole sequences, so
+             sequences differ widely in attention work (sum of l^2): VRSP and TAP both have work to do.
+    stdlib   the stdlib files themselves as documents.
 
 Every rank reads its microbatches through ``sampler.LibraGlobalBatchSampler`` + ``LibraPoolDataset``
 (window v = dataset indices [v*GBS, (v+1)*GBS), Megatron's "single" order) and shards them with
@@ -14,8 +22,9 @@ Every rank reads its microbatches through ``sampler.LibraGlobalBatchSampler`` + 
     libra     the sampler's VRSP (Algorithm 1 + refinement) reorders the window's sequences into
               pools of P consecutive DP ranks; each pool's SH-Tiles are placed by TAP (Algorithm 2) in the
               background planner; LibraCoreAttention executes the plan with ``libra_attn_func``.
-    baseline  sampler with sequence_placement=contiguous and P = 1 (Megatron's order), no pools; CP = 1: plain per-sample causal attention (no plan);
-              CP > 1: the same operator with a P = 1, tile_placement=home plan (plain CP attention).
+    baseline  sampler with sequence_placement=contiguous and P = 1 (Megatron's order), no pools; CP = 1:
+              plain per-sample causal attention (no plan); CP > 1: the same operator with a P = 1,
+              tile_placement=home plan (plain CP attention).
 Loss: sum of per-token losses over the whole global batch / its total loss tokens, so reordering the
 window cannot change it. Gradients of the summed loss are all-reduced (sum) over all DP x CP ranks with the
 loss-token count, then divided by it. Optimizer: Adam (fp32).
@@ -25,9 +34,8 @@ loss_mask (1, t) float32, model output: per-token loss (1, t) float32.
 """
 from __future__ import annotations
 
-import argparse
+import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -37,7 +45,7 @@ import numpy as np
 
 from ..plan.traces import find_trace
 
-__all__ = ["RunConfig", "PreparedData", "prepare_data", "run_training", "compare_runs", "main"]
+__all__ = ["RunConfig", "PreparedData", "prepare_data", "run_training", "compare_runs", "summarize", "main"]
 
 DEFAULT_TRACE = "wikipedia-flexsp.txt"  # resolved with plan.traces.find_trace
 PARITY_RTOL = 1e-4  # fp32: per-step loss and grad norm of Libra vs baseline, relative
@@ -45,13 +53,13 @@ PARITY_RTOL = 1e-4  # fp32: per-step loss and grad norm of Libra vs baseline, re
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs; the same record is sent to every rank."""
+    """Everything one run needs; the same record is sent to every rank. Defaults: the main job."""
 
     dp: int = 4
     cp: int = 1
     pool_size: int = 2
-    steps: int = 10
-    seq_len: int = 256
+    steps: int = 20
+    seq_len: int = 2048
     grad_accum: int = 2  # microbatches per DP rank per step (mbs = 1): GBS = dp * grad_accum
     libra: bool = True
     seed: int = 1234
@@ -61,16 +69,18 @@ class RunConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     head_split: int = 2
-    num_chunks: int = 1
-    block_size: int = 64
+    num_chunks: int = 2
+    block_size: int = 256
     tau: float = 0.03
     vocab: int = 1024  # model vocabulary: corpus ids are remapped to the vocab-1 most frequent + UNK
     token_layout: str = "zigzag"
-    data: str = "stdlib"  # stdlib | trace
+    data: str = "trace"  # trace | stdlib
+    tokens: str = "stdlib"  # trace documents filled with: stdlib (real text) | synthetic
+    doc_scale: float = 1.0  # trace lengths are multiplied by this (rounded, >= 1 token)
     workdir: str = ""  # corpus + index cache ("" = $TMPDIR/libra_train_cpu)
     trace: str = DEFAULT_TRACE
-    max_files: Optional[int] = None  # stdlib: first N .py files
-    max_docs: Optional[int] = 20000  # trace: first N documents
+    max_files: Optional[int] = 400  # stdlib: first N .py files (None = all)
+    max_docs: Optional[int] = 6000  # trace: first N documents
 
     @property
     def world_size(self) -> int:
@@ -105,35 +115,53 @@ class PreparedData:
 
     info: object  # corpus.CorpusInfo
     remap: np.ndarray
+    description: str
 
 
 # =============================================================================== data
 def prepare_data(cfg: RunConfig) -> PreparedData:
-    """Build the corpus and the GPTDataset indices once (ranks then hit the caches).
-
-    data="stdlib": the Python stdlib, Qwen2-tokenized, ids remapped to ``cfg.vocab`` (the vocab-1 most
-    frequent + UNK). data="trace": real document lengths (first ``max_docs`` of ``trace``) with synthetic
-    ids in [0, cfg.vocab), EOD = vocab-1.
-    """
-    from . import corpus
+    """Build the corpus and the GPTDataset indices once (ranks then hit the caches); ids remapped to
+    ``cfg.vocab`` (the vocab-1 most frequent + UNK). See the module docstring for ``cfg.data``."""
+    from ..megatron import corpus
 
     workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "libra_train_cpu")
+    if cfg.data not in ("stdlib", "trace") or cfg.tokens not in ("stdlib", "synthetic"):
+        raise ValueError(f"--data must be stdlib|trace and --tokens stdlib|synthetic, got {cfg.data!r}, {cfg.tokens!r}")
+    if cfg.data == "stdlib" or cfg.tokens == "stdlib":
+        stdlib = corpus.build_indexed_dataset_from_python_stdlib(os.path.join(workdir, "stdlib"),
+                                                                 max_files=cfg.max_files)
     if cfg.data == "stdlib":
-        info = corpus.build_indexed_dataset_from_python_stdlib(os.path.join(workdir, "stdlib"), max_files=cfg.max_files)
-    elif cfg.data == "trace":
-        trace = cfg.trace if os.path.isfile(cfg.trace) else find_trace(cfg.trace)
-        name = os.path.splitext(os.path.basename(trace))[0]
-        info = corpus.build_indexed_dataset_from_trace(trace, os.path.join(workdir, f"trace-{name}-v{cfg.vocab}"),
-                                                       vocab_size=cfg.vocab, eod=cfg.vocab - 1, seed=cfg.seed,
-                                                       max_docs=cfg.max_docs)
+        info, what = stdlib, f"the first {cfg.max_files or 'all'} stdlib .py files (Qwen2 tokens)"
     else:
-        raise ValueError(f"--data must be 'stdlib' or 'trace', got {cfg.data!r}")
+        info, what = _trace_corpus(cfg, workdir, stdlib if cfg.tokens == "stdlib" else None)
     _open_dataset(cfg, info)
-    return PreparedData(info, _vocab_remap(info, cfg.vocab))
+    return PreparedData(info, _vocab_remap(info, cfg.vocab), what)
+
+
+def _trace_corpus(cfg: RunConfig, workdir: str, stdlib):
+    """(CorpusInfo, description): the trace's first max_docs lengths x doc_scale, tokens per ``cfg.tokens``."""
+    from ..megatron import corpus
+    from ..plan.traces import load_trace
+
+    path = cfg.trace if os.path.isfile(cfg.trace) else find_trace(cfg.trace)
+    lengths = load_trace(path)[: cfg.max_docs]
+    lengths = np.maximum(1, np.round(lengths * cfg.doc_scale)).astype(np.int64)
+    name = os.path.splitext(os.path.basename(path))[0]
+    if stdlib is None:
+        vocab, eod, stream = cfg.vocab, cfg.vocab - 1, None
+    else:
+        vocab, eod, stream = stdlib.vocab_size, stdlib.eod, corpus.corpus_tokens(stdlib)
+    prefix = os.path.join(workdir, f"trace-{name}-x{cfg.doc_scale:g}-{cfg.tokens}-v{vocab}")
+    info = corpus.build_indexed_dataset_from_trace(lengths, prefix, vocab_size=vocab, eod=eod, seed=cfg.seed,
+                                                   token_stream=stream)
+    what = (f"{lengths.size} documents with the lengths of {os.path.basename(path)} x {cfg.doc_scale:g} "
+            f"(median {int(np.median(lengths))}, max {int(lengths.max())} tokens), "
+            f"{'stdlib Qwen2 tokens' if stream is not None else 'SYNTHETIC tokens'}")
+    return info, what
 
 
 def _open_dataset(cfg: RunConfig, info):
-    from . import corpus
+    from ..megatron import corpus
 
     return corpus.build_gpt_dataset(info.prefix, cfg.seq_len, cfg.steps * cfg.global_batch, seed=cfg.seed,
                                     vocab_size=info.vocab_size, eod=info.eod)
@@ -161,7 +189,7 @@ def _vocab_remap(info, vocab: int) -> np.ndarray:
 
 def _window_metrics(cfg: RunConfig, sampler, window: int) -> Dict[str, float]:
     """Inter-pool R-1 of the window at the Libra pool size: sampler order (before) vs this run's order."""
-    from .metrics import inter_pool_metrics
+    from ..megatron.metrics import inter_pool_metrics
 
     pre = sampler.window_indices(window).tolist()
     run = sampler.plan_window(window)
@@ -184,7 +212,7 @@ def _tiny_qwen3_config(cfg: RunConfig):
         normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False,
         attention_dropout=0.0, hidden_dropout=0.0, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, context_parallel_size=cfg.cp, params_dtype=torch.float32,
+        apply_rope_fusion=False, context_parallel_size=cfg.cp, params_dtype=torch.float32, layernorm_epsilon=1e-6,
     )
 
 
@@ -192,7 +220,7 @@ def _build_model(cfg: RunConfig):
     import torch
     from megatron.core.models.gpt import GPTModel
 
-    from .spec import libra_local_qk_spec
+    from ..megatron.spec import libra_local_qk_spec
 
     torch.manual_seed(cfg.seed)  # identical init on every rank and in both modes
     return GPTModel(config=_tiny_qwen3_config(cfg), transformer_layer_spec=libra_local_qk_spec,
@@ -207,11 +235,11 @@ class _Rank:
         import torch
         from megatron.core import parallel_state as ps
 
+        from ..megatron import groups
+        from ..megatron.planner import BackgroundPlanner
+        from ..megatron.sampler import LibraGlobalBatchSampler, LibraPoolDataset
         from ..plan.layout import HeadLayout, TokenLayout
-        from ..testing.cpu_shims import apply_megatron_cpu_shims
-        from . import groups
-        from .planner import BackgroundPlanner
-        from .sampler import LibraGlobalBatchSampler, LibraPoolDataset
+        from .cpu_shims import apply_megatron_cpu_shims
 
         apply_megatron_cpu_shims()
         ps.initialize_model_parallel(1, 1, context_parallel_size=cfg.cp)
@@ -231,6 +259,7 @@ class _Rank:
         if cfg.libra or cfg.cp > 1:  # plans also run plain CP attention in the CP > 1 baseline
             self.planner = BackgroundPlanner(self.lib, layout, heads, worker=groups.get_pool_rank())
             self.planner.warm_up()
+        self.planned_keys: set = set()  # pools this rank has used before (a repeat is served from the cache)
         self.model = _build_model(cfg)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
@@ -238,7 +267,7 @@ class _Rank:
     def close(self) -> None:
         from megatron.core import parallel_state as ps
 
-        from . import groups
+        from ..megatron import groups
 
         if self.planner is not None:
             self.planner.close()
@@ -288,8 +317,8 @@ class _Rank:
 
     def _forward_backward(self, key, plan):
         """Forward + backward of the summed per-token loss of one microbatch; (loss sum, loss tokens)."""
-        from .batch import LibraPackedSeqParams, build_libra_batch
-        from .sampler import decode_pool_segments
+        from ..megatron.batch import LibraPackedSeqParams, build_libra_batch
+        from ..megatron.sampler import decode_pool_segments
 
         sample = self.samples[key]
         pool_segs = decode_pool_segments(sample["libra_pool_segments"])
@@ -339,7 +368,7 @@ def _train_one(cfg: RunConfig, data: PreparedData) -> List[dict]:
             out = state.step(keys, state.next_keys if s + 1 < cfg.steps else None)
             out["step_s"] = time.perf_counter() - start
             out.update(_window_metrics(cfg, state.sampler, out["window"]))
-            out.update(_pool_metrics(cfg, out.pop("pool_plans")))
+            out.update(_pool_metrics(cfg, out.pop("pool_plans"), state.planned_keys))
             keys = out.pop("next_keys")
             records.append(out)
         return records
@@ -347,27 +376,45 @@ def _train_one(cfg: RunConfig, data: PreparedData) -> List[dict]:
         state.close()
 
 
-def _pool_metrics(cfg: RunConfig, planned: list) -> Dict[str, float]:
-    """Intra-pool max/mean at the Q-homes vs placed and planner latency (worst over all pools), bytes/layer."""
+def _pool_metrics(cfg: RunConfig, planned: list, seen: set) -> Dict[str, object]:
+    """This step's pools: intra-pool max/mean at the Q-homes vs placed (worst pool), attention bytes moved in
+    the step, and planner latency of the pools planned for this step.
+
+    ``planner_latency_s`` is the worst latency over ranks of the plans this step computed; a pool whose
+    segments repeat an earlier step's is served from the planner's cache (no planning) and counted in
+    ``pools_reused`` instead (at L = 256 nearly every pool is [[256], [256]], which is why the old table
+    repeated one latency). ``plan_latencies_ms``: this rank's fresh plans, for the run's median.
+    """
     import torch
 
-    from .metrics import pool_plan_metrics
+    from ..megatron.metrics import pool_plan_metrics
 
     rows = [pool_plan_metrics(p.pool_plan, p.latency_s) for p in planned]
-    keys = ("intra_pool_max_over_mean_home", "intra_pool_max_over_mean_placed", "planner_latency_s")
-    local = torch.tensor([max((r[k] for r in rows), default=0.0) for k in keys], dtype=torch.float64)
+    fresh = []
+    for pool in planned:
+        if pool.key not in seen:
+            fresh.append(pool.latency_s)
+            seen.add(pool.key)
+    keys = ("intra_pool_max_over_mean_home", "intra_pool_max_over_mean_placed")
+    local = torch.tensor([max((r[k] for r in rows), default=0.0) for k in keys] + [max(fresh, default=0.0)],
+                         dtype=torch.float64)
     torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
-    out = {k: float(v) for k, v in zip(keys, local.tolist())}
-    moved = torch.tensor([sum(r["bytes_q"] + r["bytes_kv"] + r["bytes_o"] for r in rows)], dtype=torch.float64)
-    torch.distributed.all_reduce(moved)  # every pool's total is seen by its P*CP workers
-    out["bytes_per_layer"] = float(moved[0]) / max(1, cfg.libra_config().pool_size * cfg.cp)
+    out: Dict[str, object] = {k: float(v) for k, v in zip(keys + ("planner_latency_s",), local.tolist())}
+    # Forward sends q + kv + o (Eq. 8 volumes), backward the same sizes (dO, dQ, dK|dV), in every layer.
+    moved = torch.tensor([sum(r["bytes_q"] + r["bytes_kv"] + r["bytes_o"] for r in rows),
+                          len(planned) - len(fresh)], dtype=torch.float64)
+    torch.distributed.all_reduce(moved)  # every pool is seen by its P*CP workers
+    workers = max(1, cfg.libra_config().pool_size * cfg.cp)
+    out["bytes_per_step"] = 2 * cfg.num_layers * float(moved[0]) / workers
+    out["pools_reused"] = int(round(float(moved[1]) / workers))
+    out["plan_latencies_ms"] = [1e3 * x for x in fresh]
     return out
 
 
 # =============================================================================== driver
 def run_training(cfgs: Sequence[RunConfig], data: PreparedData, timeout: float = 900.0) -> List[List[List[dict]]]:
     """Spawn one gloo job and train every config in it (same world size); ``result[cfg][rank][step]``."""
-    from ..testing.dist import run_distributed
+    from .dist import run_distributed
 
     cfgs = tuple(cfgs)
     if len({c.world_size for c in cfgs}) != 1:
@@ -380,6 +427,7 @@ def compare_runs(libra: List[List[dict]], base: List[List[dict]]) -> Dict[str, f
     """Max relative loss / grad-norm differences over steps, and whether every step's sample multiset matches."""
     a, b = libra[0], base[0]
     rel = lambda x, y: abs(x - y) / max(abs(y), 1e-30)  # noqa: E731
+
     def multiset(run, i):  # one entry per DP replica: its CP ranks share the sample
         return sorted(s for rank in run if rank[i]["cp_rank"] == 0 for s in rank[i]["samples"])
 
@@ -389,15 +437,67 @@ def compare_runs(libra: List[List[dict]], base: List[List[dict]]) -> Dict[str, f
             "same_step_multisets": float(same), "steps": float(len(a))}
 
 
+def summarize(libra: List[List[dict]], parity: Optional[Dict[str, float]] = None) -> Dict[str, object]:
+    """The closing summary of a Libra run (``libra[rank][step]``), plus parity against the baseline if given.
+
+    Means are over steps; ``planner_ms_median`` is the median over every plan any rank computed.
+    """
+    steps = libra[0]
+    mean = lambda key: float(np.mean([s[key] for s in steps]))  # noqa: E731
+    latencies = [x for rank in libra for s in rank for x in s["plan_latencies_ms"]]
+    out: Dict[str, object] = {
+        "steps": len(steps),
+        "inter_pool_r1_before_mean": mean("inter_pool_r1_before"),
+        "inter_pool_r1_after_mean": mean("inter_pool_r1_after"),
+        "intra_pool_max_mean_home": mean("intra_pool_max_over_mean_home"),
+        "intra_pool_max_mean_placed": mean("intra_pool_max_over_mean_placed"),
+        "bytes_per_step": mean("bytes_per_step"),
+        "planner_ms_median": float(np.median(latencies)) if latencies else 0.0,
+        "planner_ms_p90": float(np.percentile(latencies, 90)) if latencies else 0.0,
+        "plans_computed": len(latencies),
+        "pools_reused": int(sum(s["pools_reused"] for s in steps)),
+        "loss_first": steps[0]["loss"], "loss_last": steps[-1]["loss"],
+    }
+    if parity is not None:
+        out.update(parity_ok=parity_ok(parity), max_rel_loss=parity["max_rel_loss"],
+                   max_rel_grad_norm=parity["max_rel_grad_norm"],
+                   same_step_multisets=bool(parity["same_step_multisets"]), parity_rtol=PARITY_RTOL)
+    return out
+
+
+def parity_ok(parity: Dict[str, float]) -> bool:
+    """Loss and grad norm within PARITY_RTOL (relative) on every step, and the same sample multisets."""
+    return bool(max(parity["max_rel_loss"], parity["max_rel_grad_norm"]) < PARITY_RTOL
+                and parity["same_step_multisets"])
+
+
 def _print_run(name: str, records: List[dict]) -> None:
     print(f"== {name}")
     print("step  loss        grad_norm   inter R-1 before -> after  intra max/mean home -> placed  "
-          "KB/layer  plan_ms  wait_ms  step_s")
+          "KiB/step  plan_ms  reused  wait_ms  step_s")
     for i, r in enumerate(records):
         print(f"{i:4d}  {r['loss']:.8f}  {r['grad_norm']:.8f}  {r['inter_pool_r1_before']:8.4f} -> "
               f"{r['inter_pool_r1_after']:7.4f}      {r['intra_pool_max_over_mean_home']:8.4f} -> "
-              f"{r['intra_pool_max_over_mean_placed']:7.4f}       {r['bytes_per_layer'] / 1024:7.1f}  "
-              f"{1e3 * r['planner_latency_s']:7.2f}  {1e3 * r['planner_wait_s']:7.2f}  {r['step_s']:6.2f}")
+              f"{r['intra_pool_max_over_mean_placed']:7.4f}     {r['bytes_per_step'] / 1024:9.1f}  "
+              f"{1e3 * r['planner_latency_s']:7.2f}  {r['pools_reused']:6d}  {1e3 * r['planner_wait_s']:7.2f}  "
+              f"{r['step_s']:6.2f}")
+
+
+def _print_summary(summary: Dict[str, object]) -> None:
+    print("== summary (Libra run; means over steps)")
+    print(f"inter-pool R-1 (max/mean - 1 of pool sum l^2) before -> after VRSP: "
+          f"{summary['inter_pool_r1_before_mean']:.4f} -> {summary['inter_pool_r1_after_mean']:.4f}")
+    print(f"intra-pool worker max/mean (Eq. 6 FLOPs) at home -> placed by TAP: "
+          f"{summary['intra_pool_max_mean_home']:.4f} -> {summary['intra_pool_max_mean_placed']:.4f}")
+    print(f"attention bytes exchanged per step (all ranks, fwd + bwd, all layers): "
+          f"{summary['bytes_per_step'] / 2**20:.2f} MiB")
+    print(f"planner latency: median {summary['planner_ms_median']:.2f} ms, p90 {summary['planner_ms_p90']:.2f} ms "
+          f"over {summary['plans_computed']} plans ({summary['pools_reused']} pools reused a cached plan)")
+    print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} over {summary['steps']} steps")
+    if "parity_ok" in summary:
+        print(f"parity vs baseline: max rel loss {summary['max_rel_loss']:.3g}, max rel grad norm "
+              f"{summary['max_rel_grad_norm']:.3g}, same step sample multisets: {summary['same_step_multisets']}"
+              f" -> {'PARITY OK' if summary['parity_ok'] else f'PARITY FAILED (tolerance {PARITY_RTOL})'}")
 
 
 TOOL = "libra-train-cpu"
@@ -406,26 +506,25 @@ TOOL = "libra-train-cpu"
 def parse_args(argv: Optional[Sequence[str]] = None):
     from ..cli import ArgumentParser, add_debug_argument
 
+    d = RunConfig()
     p = ArgumentParser(prog=TOOL, description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--pool-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--head-split", type=int, default=2)
-    p.add_argument("--num-chunks", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", choices=("stdlib", "trace"), default="stdlib")
-    p.add_argument("--max-files", type=int, default=400, help="stdlib corpus: first N .py files (0 = all)")
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="trace corpus: document-length file")
-    p.add_argument("--max-docs", type=int, default=20000, help="trace corpus: first N documents")
+    for flag, value in (("--dp", d.dp), ("--cp", d.cp), ("--pool-size", d.pool_size), ("--steps", d.steps),
+                        ("--seq-len", d.seq_len), ("--grad-accum", d.grad_accum), ("--head-split", d.head_split),
+                        ("--num-chunks", d.num_chunks), ("--block-size", d.block_size), ("--vocab", d.vocab),
+                        ("--seed", d.seed)):
+        p.add_argument(flag, type=int, default=value)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--data", choices=("trace", "stdlib"), default=d.data)
+    p.add_argument("--tokens", choices=("stdlib", "synthetic"), default=d.tokens,
+                   help="what fills the trace's documents: real stdlib text or seeded synthetic ids")
+    p.add_argument("--doc-scale", type=float, default=d.doc_scale, help="trace lengths are multiplied by this")
+    p.add_argument("--trace", default=d.trace, help="trace corpus: a file, or a name in data/traces")
+    p.add_argument("--max-docs", type=int, default=d.max_docs, help="trace corpus: first N documents")
+    p.add_argument("--max-files", type=int, default=d.max_files, help="stdlib corpus: first N .py files (0 = all)")
     p.add_argument("--workdir", default="", help="corpus and index cache (default $TMPDIR/libra_train_cpu)")
     p.add_argument("--baseline", action="store_true", help="run only the baseline (no VRSP, no pools)")
     p.add_argument("--compare", action="store_true", help="run Libra and the baseline, print parity")
+    p.add_argument("--json", default=None, help="write the closing summary (Libra run + parity) to this file")
     add_debug_argument(p)
     return p.parse_args(argv)
 
@@ -435,33 +534,43 @@ def _check_args(args) -> None:
     from ..paths import check_input_file, check_output_dir
 
     for flag in ("dp", "cp", "pool_size", "steps", "seq_len", "grad_accum", "head_split", "num_chunks",
-                 "block_size", "vocab"):
+                 "block_size", "vocab", "max_docs"):
         value = getattr(args, flag)
         if value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-    if not (args.lr > 0 and args.lr < float("inf")):
-        raise ValueError(f"--lr must be a finite number > 0, got {args.lr!r}")
+    for flag in ("lr", "doc_scale"):
+        value = getattr(args, flag)
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value!r}")
     if args.data == "trace":
         path = args.trace if os.path.sep in args.trace or os.path.exists(args.trace) else find_trace(args.trace)
         check_input_file(path, f"--trace {args.trace}")
     if args.workdir:
         check_output_dir(args.workdir, f"--workdir {args.workdir}")
+    if args.baseline and args.json:
+        raise ValueError("--json summarises a Libra run; drop --baseline")
+
+
+def _config_from_args(args) -> RunConfig:
+    return RunConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, steps=args.steps, seq_len=args.seq_len,
+                     grad_accum=args.grad_accum, head_split=args.head_split, num_chunks=args.num_chunks,
+                     block_size=args.block_size, vocab=args.vocab, lr=args.lr, seed=args.seed,
+                     libra=not args.baseline, data=args.data, tokens=args.tokens, doc_scale=args.doc_scale,
+                     workdir=args.workdir, trace=args.trace, max_files=args.max_files or None,
+                     max_docs=args.max_docs)
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
-    """The CPU training run; bad flags raise ValueError naming the flag (``main`` prints one line, exit 2)."""
+    """The CPU training run: 0, or 1 when parity fails; bad flags raise ValueError naming the flag
+    (``main`` prints one line, exit 2)."""
     args = parse_args(argv)
     _check_args(args)
-    cfg = RunConfig(dp=args.dp, cp=args.cp, pool_size=args.pool_size, steps=args.steps, seq_len=args.seq_len,
-                    grad_accum=args.grad_accum, head_split=args.head_split, num_chunks=args.num_chunks,
-                    block_size=args.block_size, vocab=args.vocab, lr=args.lr, seed=args.seed,
-                    libra=not args.baseline, data=args.data, workdir=args.workdir, trace=args.trace,
-                    max_files=args.max_files or None, max_docs=args.max_docs)
+    cfg = _config_from_args(args)
     cfg.libra_config()  # validate flags before building anything
-    start = time.perf_counter()
+    started = time.perf_counter()
     data = prepare_data(cfg)
-    print(f"data: {args.data} corpus {data.info.num_documents} docs / {data.info.num_tokens} tokens, "
-          f"{cfg.steps} steps x GBS {cfg.global_batch} x L {cfg.seq_len} ({time.perf_counter() - start:.1f}s)")
+    print(f"data: {data.description}; corpus {data.info.num_documents} docs / {data.info.num_tokens} tokens; "
+          f"{cfg.steps} steps x GBS {cfg.global_batch} x L {cfg.seq_len} ({time.perf_counter() - started:.1f}s)")
     print(f"config: {asdict(cfg)}")
     names = ["baseline"] if args.baseline else (["libra", "baseline"] if args.compare else ["libra"])
     start = time.perf_counter()
@@ -470,17 +579,21 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     runs = dict(zip(names, results))
     for name, per_rank in runs.items():
         _print_run(name, per_rank[0])
-    if "libra" in runs and "baseline" in runs:
-        parity = compare_runs(runs["libra"], runs["baseline"])
-        print("parity: " + " ".join(f"{k}={v:.3g}" for k, v in parity.items()))
-        ok = max(parity["max_rel_loss"], parity["max_rel_grad_norm"]) < PARITY_RTOL and parity["same_step_multisets"]
-        print("PARITY OK" if ok else f"PARITY FAILED (tolerance {PARITY_RTOL})")
-        return 0 if ok else 1
-    return 0
+    if "libra" not in runs:
+        return 0
+    parity = compare_runs(runs["libra"], runs["baseline"]) if "baseline" in runs else None
+    summary = summarize(runs["libra"], parity)
+    summary.update(wall_s=time.perf_counter() - started, data=data.description, config=asdict(cfg))
+    _print_summary(summary)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(summary, handle, indent=1)
+        print(f"summary written to {args.json}")
+    return 0 if parity is None or summary["parity_ok"] else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m libra_megatron.megatron.train_cpu`` (``scripts/main.sh``): exit 2 with one line on bad input."""
+    """``python -m libra_megatron.testing.train_cpu`` (``scripts/main.sh``): exit 2 with one line on bad input."""
     from ..cli import run_cli
 
     run_cli(TOOL, run, argv)
