@@ -105,8 +105,8 @@ def _reset_position_ids_with_cp(args: argparse.Namespace) -> Optional[str]:
 def _libra_spec(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "spec", None) is None:
         return ("--spec is not given: Megatron-LM's default layer spec has no Libra attention; pass "
-                "--spec libra_megatron.megatron.spec libra_te_spec (or libra_te_moe_spec, libra_local_spec, "
-                "libra_local_qk_spec, libra_local_moe_spec)")
+                "--spec libra_megatron.megatron.spec libra_gpt_spec (each layer built from the run's flags; or "
+                "libra_te_spec, libra_local_spec, libra_local_qk_spec, libra_local_moe_spec)")
     return None
 
 

@@ -35,9 +35,10 @@ def common_flags(data_prefix: str, cache_dir: str) -> List[str]:
 
 
 LIBRA_FLAGS = ["--no-create-attention-mask-in-dataloader", "--spec", "libra_megatron.megatron.spec",
-               "libra_local_qk_spec", "--libra-pool-size", "2", "--libra-block-size", "256",
+               "libra_gpt_spec", "--libra-pool-size", "2", "--libra-block-size", "256",
                "--libra-kernel-backend", "torch"]
-"""Libra on: its spec, P=2, 256-token SH-Tile blocks (so TAP has tiles to move at L=1024)."""
+"""Libra on: the recommended spec (each layer built from the run's flags, here local layers with
+LibraCoreAttention), P=2, 256-token SH-Tile blocks (so TAP has tiles to move at L=1024)."""
 
 
 @dataclass

@@ -26,7 +26,7 @@ def _args(**kw):
     (dict(hybrid_context_parallel=True), r"^--hybrid-context-parallel"),
     (dict(attention_dropout=0.1), r"^--attention-dropout 0.1: .*default is 0.1 .*pass --attention-dropout 0$"),
     (dict(multi_latent_attention=True), r"^--multi-latent-attention: .*not MLA"),
-    (dict(spec=None), r"^--spec is not given: .*--spec libra_megatron.megatron.spec libra_te_spec"),
+    (dict(spec=None), r"^--spec is not given: .*--spec libra_megatron.megatron.spec libra_gpt_spec"),
     (dict(context_parallel_size=2, reset_position_ids=True), r"^--reset-position-ids with --context-parallel-size 2"),
 ])
 def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
