@@ -69,7 +69,7 @@ def _launcher_parser() -> argparse.ArgumentParser:
                         help="show this help, then Megatron-LM's (with the --libra-* flags) when it is found")
     parser.add_argument("--megatron-lm-path", default=None,
                         help=f"Megatron-LM checkout (tag core_v0.16.x); default: ${ENV_MEGATRON_LM_PATH}, else "
-                             f"the repository cache / ../shared archive / a shallow clone (libra_megatron.megatron_lm)")
+                             f"the repository cache / the archive beside the checkout / a shallow clone (libra_megatron.megatron_lm)")
     parser.add_argument("--megatron-program", default="pretrain_gpt.py",
                         help="program inside Megatron-LM to run (default pretrain_gpt.py)")
     parser.add_argument("--megatron-args-file", action="append", default=[],

@@ -9,7 +9,7 @@
 # --without-libra      plain Megatron-LM: the same program, flags and CPU shims, no Libra patch point installed
 # Everything else goes to the launcher unchanged (--megatron-args-file, --spec, --libra-*, --data-path, ...);
 # relative paths resolve against your working directory. Sets up ./.venv on first use and gets Megatron-LM
-# through libra_megatron.megatron_lm (MEGATRON_LM_PATH, the repo cache, ../shared archive, or a clone).
+# through libra_megatron.megatron_lm (MEGATRON_LM_PATH, the repo cache, the archive beside the checkout, or a clone).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/setup_env.sh")"

@@ -7,7 +7,7 @@
 #
 # Environment (Megatron's usual names): NNODES, NODE_RANK, MASTER_ADDR (all required), GPUS_PER_NODE
 # (default 8), MASTER_PORT (default 6000), PYTHON (default python), MEGATRON_LM_PATH (optional: else the
-# launcher's getter, libra_megatron.megatron_lm, uses the repository cache / ../shared archive / a clone).
+# launcher's getter, libra_megatron.megatron_lm, uses the repository cache / the archive beside the checkout / a clone).
 # World size = NNODES*GPUS_PER_NODE; DP = world/(TP*PP*CP) must be a multiple of the Libra pool size P.
 # Runs in your working directory: your relative --data-path/--save stay yours. CONFIG.args is looked up
 # in the working directory, then in the repository; paths inside it are relative to its own folder.

@@ -1,8 +1,8 @@
 """Helpers for the tests that need Megatron-LM's training code, found by the project's one getter.
 
 ``libra_megatron.megatron_lm.get_megatron_lm()`` (``MEGATRON_LM_PATH``, the repository cache, the
-``../shared`` archive, a shallow clone). Under CI (``CI`` set) a getter failure FAILS every such test; outside
-CI (a user's clone with neither ``../shared`` nor network) they are skipped with the getter's message.
+archive beside the checkout, a shallow clone). Under CI (``CI`` set) a getter failure FAILS every such test; outside
+CI (a user's clone with neither that archive nor network) they are skipped with the getter's message.
 """
 import functools
 import os

@@ -27,7 +27,7 @@ def fake_megatron(tmp_path):
 
 
 def _offline_getter(repo_root):
-    """The project's getter for a clone at ``repo_root`` with no ../shared archive and no network."""
+    """The project's getter for a clone at ``repo_root`` with no Megatron-LM archive beside it and no network."""
     return lambda environ: get_megatron_lm(environ, repo_root=repo_root, allow_clone=False)
 
 
