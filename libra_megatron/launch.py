@@ -68,13 +68,15 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true",
                         help="show this help, then Megatron-LM's (with the --libra-* flags) when it is found")
     parser.add_argument("--megatron-lm-path", default=None,
-                        help=f"Megatron-LM checkout (tag core_v0.16.x); default: ${ENV_MEGATRON_LM_PATH}, else "
-                             f"the repository cache / the archive beside the checkout / a shallow clone (libra_megatron.megatron_lm)")
+                        help=f"Megatron-LM checkout (tag core_v0.16.x); default: ${ENV_MEGATRON_LM_PATH}, else the "
+                             f"repository cache / the archive beside the checkout / a shallow clone "
+                             f"(libra_megatron.megatron_lm)")
     parser.add_argument("--megatron-program", default="pretrain_gpt.py",
                         help="program inside Megatron-LM to run (default pretrain_gpt.py)")
     parser.add_argument("--megatron-args-file", action="append", default=[],
                         help="file of Megatron flags (shell quoting, # comments), expanded in place; repeatable. "
-                             "Relative --megatron-args-file/--libra-config paths inside it resolve against its folder")
+                             "Relative --megatron-args-file/--libra-config paths inside it resolve against its "
+                             "folder")
     parser.add_argument("--check-only", action="store_true",
                         help="run every start-up check (Megatron-LM, CUDA, flags, patch targets) and exit; the "
                              "scripts do this once before torchrun (set WORLD_SIZE for the DP-dependent checks)")
@@ -187,12 +189,9 @@ def _put_first_on_path(path: Path) -> None:
 
 
 def import_megatron_training(megatron_lm_path: Path) -> None:
-    """Megatron-LM first on sys.path, then import its training package; a missing package is named."""
+    """Megatron-LM first on sys.path, then import its training package by name (the launcher only checks that
+    it imports; ``libra_megatron.megatron`` and the patch points use it); a missing package is named."""
     _put_first_on_path(Path(megatron_lm_path))
-    # Megatron compiles its dataset helpers with `make` calling `python3 -m pybind11`: make that this Python.
-    bin_dir = os.path.dirname(sys.executable)
-    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     for name in ("megatron.training.arguments", "megatron.training.training"):
         try:
             importlib.import_module(name)

@@ -35,7 +35,8 @@ def test_without_flag_the_getter_is_asked_and_its_error_names_what_it_tried(tmp_
     repo = tmp_path / "clone"
     (repo / "libra_megatron").mkdir(parents=True)
     (repo / "setup.py").write_text("")
-    with pytest.raises(MegatronLMNotFound, match=r"MEGATRON_LM_PATH is not set; no archive at .*: set MEGATRON_LM_PATH"):
+    with pytest.raises(MegatronLMNotFound,
+                       match=r"MEGATRON_LM_PATH is not set; no archive at .*: set MEGATRON_LM_PATH"):
         resolve_megatron_lm(None, "pretrain_gpt.py", environ={}, getter=_offline_getter(repo))
 
 
