@@ -27,6 +27,7 @@ __all__ = [
     "PackingMode",
     "KernelBackendName",
     "TokenLayoutKind",
+    "SaveModeName",
     "flag_name",
 ]
 
@@ -55,11 +56,20 @@ class PackingMode(str, enum.Enum):
 
 
 class KernelBackendName(str, enum.Enum):
-    """Attention kernel used by the runtime operator."""
+    """Attention kernel used by the runtime operator (see ``runtime/kernels``)."""
 
-    AUTO = "auto"  # flash-attn varlen when importable and inputs are on CUDA, else torch reference
-    FLASH = "flash"
-    TORCH = "torch"
+    AUTO = "auto"  # fp16/bf16 on CUDA: flash-attn if it imports, else torch_flash; otherwise torch
+    FLASH = "flash"  # flash-attn 2.6-2.8 varlen kernels
+    TORCH_FLASH = "torch_flash"  # torch's own FlashAttention varlen kernels (aten::_flash_attention_*)
+    TORCH = "torch"  # exact reference (fp32/fp64 compute), any device
+
+
+class SaveModeName(str, enum.Enum):
+    """What the Libra operator keeps for backward (docs/runtime.md, "Save vs re-exchange")."""
+
+    AUTO = "auto"  # per pool plan: arranged if the predicted worst-rank bytes fit activation_budget_gb
+    ARRANGED = "arranged"  # keep the destination-side Q, K|V, O, lse: no extra backward traffic
+    REFETCH = "refetch"  # keep local q, k, v, out and lse; backward re-sends Q, K|V, O
 
 
 class TokenLayoutKind(str, enum.Enum):
@@ -80,6 +90,8 @@ _FLAGS = {
     "packing": "--libra-packing",
     "kernel_backend": "--libra-kernel-backend",
     "token_layout": "--libra-token-layout",
+    "save_mode": "--libra-save-mode",
+    "activation_budget_gb": "--libra-activation-budget-gb",
 }
 
 
@@ -130,6 +142,11 @@ class LibraConfig:
     """Attention kernel of the runtime operator: auto | flash | torch."""
     token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
     """CP token layout of each packed sequence: contiguous | zigzag (Megatron's 2*CP split)."""
+    save_mode: SaveModeName = SaveModeName.AUTO
+    """What the operator keeps for backward: auto | arranged | refetch (auto decides per pool plan)."""
+    activation_budget_gb: float = 16.0
+    """GiB per GPU that save_mode=auto lets the kept destination tensors use for one microbatch, summed over
+    the layers of this pipeline stage (planner prediction of the pool's worst rank); above it: refetch."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -164,9 +181,10 @@ class LibraConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self._name(key)} must be a positive integer, got {value!r}")
-        tau = self.tau
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or not (math.isfinite(tau) and tau >= 0):
-            raise ValueError(f"{self._name('tau')} must be a finite number >= 0, got {tau!r}")
+        for key in ("tau", "activation_budget_gb"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{self._name(key)} must be a finite number >= 0, got {value!r}")
 
     def validate(
         self,
@@ -301,6 +319,7 @@ _ENUM_FIELDS = {
     "packing": PackingMode,
     "kernel_backend": KernelBackendName,
     "token_layout": TokenLayoutKind,
+    "save_mode": SaveModeName,
 }
 
 

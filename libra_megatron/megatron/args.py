@@ -23,6 +23,7 @@ from ..config import (
     KernelBackendName,
     LibraConfig,
     PackingMode,
+    SaveModeName,
     SequencePlacement,
     TilePlacement,
     TokenLayoutKind,
@@ -40,6 +41,7 @@ _FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
     "pool_size": int, "head_split": int, "block_size": int, "num_chunks": int, "tau": float,
     "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
     "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
+    "save_mode": SaveModeName, "activation_budget_gb": float,
 }
 _HELP = {
     "pool_size": "P: DP replicas per sequence pool (P | DP); a pool has P*CP workers.",
@@ -49,9 +51,14 @@ _HELP = {
     "tau": "Load slack of Algorithm 2: target (1+tau) * mean worker load.",
     "sequence_placement": "VRSP placement of packed sequences into pools.",
     "tile_placement": "SH-Tile placement inside a pool.",
-    "packing": "Packing of the simulator / synthetic corpora (GPTDataset training packs megatron-style).",
+    "packing": "Packing of the simulator / synthetic corpora; Megatron-LM runs accept only 'megatron' "
+               "(GPTDataset packs that way).",
     "kernel_backend": "Attention kernel of the Libra operator.",
     "token_layout": "CP token layout of each packed sequence.",
+    "save_mode": "What the Libra operator keeps for backward; auto decides per pool plan against "
+                 "--libra-activation-budget-gb.",
+    "activation_budget_gb": "GiB per GPU that save_mode=auto lets kept attention tensors use for one microbatch "
+                            "(all layers of the pipeline stage).",
 }
 _ABLATIONS = {  # switch -> (config key, value it forces)
     "libra_disable_vrsp": ("sequence_placement", SequencePlacement.CONTIGUOUS),
@@ -130,6 +137,7 @@ def libra_config_from_args(args: Any) -> LibraConfig:
     path = getattr(args, "libra_config", None)
     base = LibraConfig.from_yaml(path, flag="--libra-config") if path is not None else LibraConfig()
     config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
+    _check_packing(config)
     heads, groups, tp = _heads_per_tensor_parallel_rank(args)
     gbs = getattr(args, "global_batch_size", None)
     try:
@@ -158,6 +166,16 @@ def _heads_per_tensor_parallel_rank(args: Any) -> tuple:
         if count and int(count) % tp:
             raise ValueError(f"{name} {count} must be divisible by --tensor-model-parallel-size {tp}")
     return hq // tp, (int(groups) // tp if groups else None), tp
+
+
+def _check_packing(config: LibraConfig) -> None:
+    """``packing`` cannot change how GPTDataset packs, so anything but 'megatron' is refused (not ignored)."""
+    if config.packing is not PackingMode.MEGATRON:
+        raise ValueError(
+            f"{config._name('packing')} = {config.packing.value} has no effect in Megatron-LM runs: GPTDataset "
+            f"packs megatron-style (concatenate documents, cut every --seq-length tokens). Use packing: megatron "
+            f"here; other packings drive the simulator and synthetic corpora only"
+        )
 
 
 def _describe_sources(config: LibraConfig, args: Any) -> str:

@@ -19,49 +19,78 @@ Pool process group, first match wins:
     3. ``libra_megatron.megatron.groups.get_pool_group()`` (initialised by ``initialize_pool_groups``).
 The group is looked up only when a multi-worker plan is executed.
 
+Knobs. ``kernel_backend`` and ``save_mode`` come from the carrier (``libra_kernel_backend`` /
+``libra_save_mode``, set by the Libra batch path from the run's LibraConfig and the planner's per-plan
+``save_mode=auto`` decision), else from the constructor, else auto / arranged. A constructor value that
+contradicts the carrier is an error (nothing is overridden silently).
+
+Verification. The first Libra layer that executes a given carrier passes ``verify=True`` to
+``libra_attn_func`` (every pool rank does so in the same call: same model, same layer order), later
+layers ``verify=False``: one small gloo all_gather per microbatch, none per layer (``runtime.checks``).
+
 Pools off. Without a plan (or with a one-worker plan) and CP = 1 the module is plain per-sample causal
-attention: samples are delimited by ``packed_seq_params.cu_seqlens_q`` (int32/int64, (n+1,), local
-token offsets) when given, else the whole sequence is one causal sample. GQA is never expanded: the
-kernel is ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` per sample.
+attention through the same varlen kernels. Sample boundaries come from host data: the carrier's
+``libra_pool_segments[libra_position]``, else a CPU ``cu_seqlens_q``; a CUDA ``cu_seqlens_q`` without host
+segments (a foreign carrier) is read once per carrier and cached on it, never once per layer. No
+boundaries = the whole sequence is one causal sample. Dropout is not supported (varlen kernels).
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..config import KernelBackendName
+from ..config import KernelBackendName, SaveModeName
 
-__all__ = ["LibraCoreAttention", "local_causal_attention_thd"]
+__all__ = ["LibraCoreAttention", "local_causal_attention_thd", "host_sample_bounds"]
 
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_VERIFIED_ATTR = "_libra_verified_plan"  # the plan a carrier's first Libra layer verified
+_BOUNDS_ATTR = "_libra_host_bounds"  # host sample boundaries cached on a foreign carrier
 
 
-def local_causal_attention_thd(q, k, v, cu_seqlens: Optional[torch.Tensor], softmax_scale: float,
-                               dropout_p: float = 0.0) -> torch.Tensor:
-    """Block-diagonal causal attention over packed samples, GQA without expanding K/V.
+def host_sample_bounds(packed_seq_params, num_tokens: int) -> Optional[tuple]:
+    """Sample boundaries (0, ..., num_tokens) of the local tokens as host ints, or None (one sample).
 
-    q (t, hq, d), k/v (t, hkv, d), cu_seqlens (n+1,) sample offsets into t (None = one sample).
-    Returns (t, hq, d) in q's dtype. Cost O(sum_j l_j^2) -- one SDPA call per sample.
+    Reads the carrier's host segments, a CPU ``cu_seqlens_q``, or (once per carrier, cached on it) a device
+    ``cu_seqlens_q``. Raises ValueError when they do not rise from 0 to ``num_tokens``.
     """
-    t = q.shape[0]
-    bounds = [0, t] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != t or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the local token count {t}, got {bounds}")
-    gqa = q.shape[1] != k.shape[1]
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # (h, l, d)
-        outs.append(F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=softmax_scale, dropout_p=dropout_p, enable_gqa=gqa,
-        ).transpose(0, 1))
-    return torch.cat(outs, dim=0) if outs else torch.zeros_like(q)
+    if packed_seq_params is None:
+        return None
+    segments = getattr(packed_seq_params, "libra_pool_segments", None)
+    if segments is not None:
+        seg = np.asarray(segments[int(getattr(packed_seq_params, "libra_position", 0))], dtype=np.int64)
+        bounds = tuple(int(x) for x in np.concatenate([[0], np.cumsum(seg)]))
+    elif getattr(packed_seq_params, _BOUNDS_ATTR, None) is not None:
+        bounds = getattr(packed_seq_params, _BOUNDS_ATTR)
+    else:
+        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+        if cu is None:
+            return None
+        bounds = tuple(int(x) for x in torch.as_tensor(cu).tolist())  # CPU: free; CUDA: once per carrier
+        setattr(packed_seq_params, _BOUNDS_ATTR, bounds)
+    if bounds[0] != 0 or bounds[-1] != num_tokens or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the local token count {num_tokens}, got {list(bounds)}")
+    return bounds
+
+
+def local_causal_attention_thd(q, k, v, bounds: Optional[tuple], softmax_scale: float,
+                               backend=KernelBackendName.AUTO) -> torch.Tensor:
+    """Block-diagonal causal attention over packed samples through the runtime's varlen kernels.
+
+    q (t, hq, d), k/v (t, hkv, d) (GQA never expanded), bounds: host sample offsets (0, ..., t) or None
+    (one sample). Returns (t, hq, d) in q's dtype. Cost O(sum_j l_j^2); no host read of device data.
+    """
+    from ..runtime.kernels import VarlenBatch, varlen_attn_func  # lazy: keeps module import light
+
+    bounds = (0, q.shape[0]) if bounds is None else bounds
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    batch = VarlenBatch.from_lengths(lens, lens, q.device)
+    return varlen_attn_func(q, k, v, batch, softmax_scale, backend)
 
 
 class LibraCoreAttention(MegatronModule):
@@ -69,13 +98,16 @@ class LibraCoreAttention(MegatronModule):
 
     Constructor arguments mirror ``DotProductAttention`` (megatron-core 0.16.1) plus:
         pool_group      explicit pool process group (see module docstring for the lookup order)
-        kernel_backend  ``KernelBackendName`` for the runtime operator (default AUTO)
+        check_group     group the once-per-microbatch plan verification gathers over (default: the
+                        groups module's gloo twin of the pool group when it is initialised, else the pool group)
+        kernel_backend  ``KernelBackendName``, or None: the carrier's, else AUTO
+        save_mode       ``SaveModeName`` arranged | refetch, or None: the carrier's, else arranged
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, *, pool_group=None,
-                 kernel_backend: KernelBackendName = KernelBackendName.AUTO):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, *, pool_group=None, check_group=None,
+                 kernel_backend: Optional[KernelBackendName] = None, save_mode: Optional[SaveModeName] = None):
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError(f"LibraCoreAttention supports self attention only, got attention_type={attention_type!r}")
@@ -87,8 +119,13 @@ class LibraCoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
-        self.kernel_backend = KernelBackendName(kernel_backend)
+        self.kernel_backend = None if kernel_backend is None else KernelBackendName(kernel_backend)
+        self.save_mode = None if save_mode is None else SaveModeName(save_mode)
+        if self.save_mode is SaveModeName.AUTO:
+            raise ValueError("LibraCoreAttention(save_mode='auto'): auto is decided per plan by the planner and "
+                             "travels on the carrier; pass arranged, refetch or None")
         self._pool_group = pool_group
+        self._check_group = check_group
 
     # ------------------------------------------------------------------ process groups
     def set_pool_group(self, group) -> None:
@@ -105,6 +142,34 @@ class LibraCoreAttention(MegatronModule):
         from . import groups  # lazy: only multi-worker plans need it
 
         return groups.get_pool_group()
+
+    def check_group(self):
+        """Group of the plan verification: explicit, else the groups module's gloo twin (when the pool group
+        comes from there), else the pool group itself."""
+        if self._check_group is not None:
+            return self._check_group
+        if self._pool_group is None and getattr(self.pg_collection, "libra_pool", None) is None:
+            from . import groups
+
+            return groups.get_pool_check_group()
+        return self.pool_group()
+
+    # ------------------------------------------------------------------ knobs
+    def _knob(self, packed_seq_params, attr: str, mine, kind, default):
+        """The carrier's value of a knob, else the constructor's, else ``default``; a conflict is an error."""
+        carried = getattr(packed_seq_params, attr, None)
+        carried = None if carried is None else kind(carried)
+        if carried is not None and mine is not None and carried is not mine:
+            raise ValueError(f"LibraCoreAttention was built with {attr.replace('libra_', '')}={mine.value} but the "
+                             f"batch carries {carried.value} (from the run's Libra config); drop one of them")
+        return carried or mine or default
+
+    def resolved_knobs(self, packed_seq_params) -> tuple:
+        """(kernel backend, save mode) this module runs with for ``packed_seq_params``."""
+        backend = self._knob(packed_seq_params, "libra_kernel_backend", self.kernel_backend, KernelBackendName,
+                             KernelBackendName.AUTO)
+        mode = self._knob(packed_seq_params, "libra_save_mode", self.save_mode, SaveModeName, SaveModeName.ARRANGED)
+        return backend, mode
 
     def _cp_size(self) -> int:
         cp = getattr(self.pg_collection, "cp", None)
@@ -123,11 +188,15 @@ class LibraCoreAttention(MegatronModule):
             raise ValueError("LibraCoreAttention does not support attention_bias")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         q, k, v = (query, key, value) if thd else self._sbhd_to_thd(query, key, value, packed_seq_params)
+        if self.training and self.dropout_p > 0:
+            raise ValueError(f"LibraCoreAttention runs attention without dropout (varlen kernels); set "
+                             f"--attention-dropout 0 (got {self.dropout_p})")
         plan = getattr(packed_seq_params, "libra_plan", None)
+        backend, mode = self.resolved_knobs(packed_seq_params)
         if plan is not None and plan.num_workers > 1:
-            out = self._forward_plan(q, k, v, plan)
+            out = self._forward_plan(q, k, v, plan, packed_seq_params, backend, mode)
         else:
-            out = self._forward_local(q, k, v, packed_seq_params)
+            out = self._forward_local(q, k, v, packed_seq_params, backend)
         if thd:
             return out.reshape(out.shape[0], -1)
         return out.reshape(query.shape[0], query.shape[1], -1)
@@ -144,34 +213,31 @@ class LibraCoreAttention(MegatronModule):
     def _cu_seqlens(packed_seq_params):
         return getattr(packed_seq_params, "cu_seqlens_q", None)
 
-    def _forward_local(self, q, k, v, packed_seq_params):
+    def _forward_local(self, q, k, v, packed_seq_params, backend):
         """Plain per-sample causal attention on this rank's tokens (pools off, CP = 1)."""
         if self._cp_size() > 1:
             raise ValueError(
                 f"LibraCoreAttention with context_parallel_size {self._cp_size()} > 1 needs a Libra plan "
                 "(packed_seq_params.libra_plan); none was given"
             )
-        dropout = self.dropout_p if self.training else 0.0
         if q.dim() == 4:  # (s, b, h, d), b > 1, no cu_seqlens: one causal sample per batch row
-            out = F.scaled_dot_product_attention(
-                *(x.permute(1, 2, 0, 3) for x in (q, k, v)), is_causal=True, scale=self.softmax_scale,
-                dropout_p=dropout, enable_gqa=q.shape[2] != k.shape[2],
-            )
-            return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
-        cu = None if packed_seq_params is None else self._cu_seqlens(packed_seq_params)
-        return local_causal_attention_thd(q, k, v, cu, self.softmax_scale, dropout)
+            s, b = q.shape[:2]
+            flat = [x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3]) for x in (q, k, v)]
+            out = local_causal_attention_thd(*flat, tuple(range(0, b * s + 1, s)), self.softmax_scale, backend)
+            return out.reshape(b, s, -1).transpose(0, 1)
+        bounds = host_sample_bounds(packed_seq_params, q.shape[0])
+        return local_causal_attention_thd(q, k, v, bounds, self.softmax_scale, backend)
 
-    def _forward_plan(self, q, k, v, plan):
+    def _forward_plan(self, q, k, v, plan, packed_seq_params, backend, mode):
         """Execute this rank's ``RankPlan`` with the runtime operator (Q dispatch, KV fetch, O return)."""
         if q.dim() != 3:
             raise ValueError(f"Libra plans need micro batch size 1 (sbhd b=1 or thd), got query {tuple(q.shape)}")
-        if self.training and self.dropout_p > 0:
-            raise ValueError(
-                f"Libra plans run attention without dropout; set --attention-dropout 0 (got {self.dropout_p})"
-            )
         # Shape/rank/fingerprint checks happen inside libra_attn_func on *every* rank (a check raised
         # here on one rank only would leave its peers waiting in the first collective).
         from ..runtime import libra_attn_func  # lazy: keeps module import light
 
-        return libra_attn_func(q, k, v, plan, self.pool_group(), softmax_scale=self.softmax_scale,
-                               backend=self.kernel_backend, qkv_format="thd")
+        verify = getattr(packed_seq_params, _VERIFIED_ATTR, None) is not plan  # a fresh carrier or a new plan
+        out = libra_attn_func(q, k, v, plan, self.pool_group(), softmax_scale=self.softmax_scale, backend=backend,
+                              qkv_format="thd", save_mode=mode.value, verify=verify, check_group=self.check_group())
+        setattr(packed_seq_params, _VERIFIED_ATTR, plan)
+        return out

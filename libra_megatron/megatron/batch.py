@@ -30,11 +30,15 @@ class LibraPackedSeqParams(PackedSeqParams):
     libra_plan: this worker's ``plan.exchange.RankPlan`` (None before planning / when Libra is off).
     libra_pool_segments: list of P int64 arrays, the segment lengths of the pool's packed sequences.
     libra_position: p, which of them is this DP rank's sequence.
+    libra_kernel_backend: the run's ``kernel_backend`` (LibraCoreAttention runs with it).
+    libra_save_mode: ``arranged`` | ``refetch`` for this plan (the planner's ``save_mode=auto`` decision).
     """
 
     libra_plan: Any = None
     libra_pool_segments: Optional[List[np.ndarray]] = None
     libra_position: int = 0
+    libra_kernel_backend: Optional[str] = None
+    libra_save_mode: Optional[str] = None
 
 
 def _num_chunks(cp: int, layout: TokenLayoutKind) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "pool_rank_lists",
     "initialize_pool_groups",
     "get_pool_group",
+    "get_pool_check_group",
     "get_pool_rank",
     "get_pool_size_workers",
     "get_pool_index",
@@ -35,6 +36,7 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 
 class _PoolState:
     group: Any = None
+    check_group: Any = None  # gloo twin of ``group``: plan verification without reading device memory
     ranks: Optional[List[int]] = None
     pool_index: int = -1
     all_groups: List[Any] = []
@@ -102,11 +104,13 @@ def initialize_pool_groups(pool_size: int, order: str = "tp-cp-ep-dp-pp", timeou
     dp = ps.get_data_parallel_world_size()
     pools = pool_rank_lists(world, tp, pp, cp, dp, pool_size, order=order)
     groups = [ps.create_group(ranks, timeout=timeout, group_desc="LIBRA_POOL") for ranks in pools]
+    gloo = [ps.create_group(ranks, timeout=timeout, backend="gloo", group_desc="LIBRA_POOL_GLOO") for ranks in pools]
     mine = [i for i, ranks in enumerate(pools) if rank in ranks]
     assert len(mine) == 1, f"rank {rank} must be in exactly one pool, found {mine}"
     ranks = pools[mine[0]]
     _check_against_parallel_state(ranks, rank, pool_size, cp, order)
     _STATE.group, _STATE.ranks, _STATE.all_groups = groups[mine[0]], ranks, groups
+    _STATE.check_group = gloo[mine[0]]
     _STATE.pool_index = mine[0] % (dp // pool_size)
 
 
@@ -133,6 +137,13 @@ def get_pool_group():
     """This rank's pool process group (P*CP ranks)."""
     _require()
     return _STATE.group
+
+
+def get_pool_check_group():
+    """Gloo group over the same ranks as ``get_pool_group()``: the once-per-plan verification gathers over it
+    with CPU tensors, so it never reads device memory (``runtime.checks``)."""
+    _require()
+    return _STATE.check_group
 
 
 def get_pool_rank() -> int:
@@ -168,3 +179,4 @@ def pool_groups_initialized() -> bool:
 def destroy_pool_groups() -> None:
     """Forget the pool groups, like ``parallel_state.destroy_model_parallel`` forgets its own. Idempotent."""
     _STATE.group, _STATE.ranks, _STATE.pool_index, _STATE.all_groups = None, None, -1, []
+    _STATE.check_group = None

@@ -170,6 +170,7 @@ class LibraHooks:
         self.planner: Any = None
         self.qkv_format = "sbhd"
         self.train_sampler: Any = None  # the train loader's LibraGlobalBatchSampler (TP rank 0 only)
+        self.tp_cpu_group: Any = None  # gloo twin of this rank's TP group (sample broadcast without device syncs)
 
     # ------------------------------------------------------------------ arguments
     def add_args(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -193,6 +194,7 @@ class LibraHooks:
                     "RoPE positions restart per document" if self.qkv_format == "thd"
                     else "RoPE positions run over the packed sequence")
         initialize_pool_groups(config.pool_size, order=_rank_order(args))
+        self.tp_cpu_group = _tp_gloo_group()
         self.config = config
         self.planner = _start_planner(config, args)
 
@@ -240,7 +242,7 @@ class LibraHooks:
 
         if not is_first_or_last_pipeline_stage(vp_stage):
             return None, None, None, None, None, None
-        sample = _read_sample_across_tp(data_iterator)
+        sample = _read_sample_across_tp(data_iterator, self.tp_cpu_group)
         pool_segments, position = _pool_metadata(sample)
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
@@ -252,14 +254,16 @@ class LibraHooks:
 
         config = self._require_config()
         batch = build_libra_batch(sample, pool_segments[position], cp_size, cp_rank, config.token_layout)
-        plan = _plan_for_rank(self.planner, pool_segments, position, cp_rank)
+        plan, save_mode = _plan_for_rank(self.planner, pool_segments, position, cp_rank)
         packed = _packed_seq_params(LibraPackedSeqParams, self.qkv_format, batch, plan, pool_segments, position)
+        packed.libra_kernel_backend = config.kernel_backend.value
+        packed.libra_save_mode = None if save_mode is None else save_mode.value
         # RoPE ignores position_ids in megatron-core; they are returned consistent with the carrier anyway.
         positions = batch["position_ids"] if self.qkv_format == "thd" else batch["local_to_global"][None]
         device = _device()
         return (
-            batch["tokens"].to(device), batch["labels"].to(device), batch["loss_mask"].to(device), None,
-            positions.to(device), packed,
+            _to_device(batch["tokens"], device), _to_device(batch["labels"], device),
+            _to_device(batch["loss_mask"], device), None, _to_device(positions, device), packed,
         )
 
     # ------------------------------------------------------------------ metrics
@@ -309,23 +313,48 @@ def _device():
     return torch.device("cpu")
 
 
-def _read_sample_across_tp(data_iterator: Any) -> dict:
-    """TP rank 0 reads the next sample; other TP ranks receive it (Megatron builds loaders on TP rank 0 only)."""
+def _to_device(tensor: Any, device: Any) -> Any:
+    """Host tensor -> device without a host sync (pinned, non_blocking for CUDA)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _tp_gloo_group() -> Any:
+    """A gloo group over this rank's TP group (None at TP = 1). Every rank creates every TP group's twin,
+    in the same order, from one all_gather_object of the TP rank lists (start-up only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    mine = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    lists: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, list(mine))
+    unique = list(dict.fromkeys(tuple(x) for x in lists))
+    groups = {ranks: parallel_state.create_group(list(ranks), backend="gloo", group_desc="LIBRA_TP_GLOO")
+              for ranks in unique}
+    return groups[tuple(mine)]
+
+
+def _read_sample_across_tp(data_iterator: Any, cpu_group: Any = None) -> dict:
+    """TP rank 0 reads the next sample; other TP ranks receive it over the gloo TP twin ``cpu_group``
+    (Megatron builds loaders on TP rank 0 only). Host tensors only: nothing waits on the GPU."""
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return next(data_iterator)
     sample = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
-    return _broadcast_sample(sample, parallel_state.get_tensor_model_parallel_group(),
-                             parallel_state.get_tensor_model_parallel_src_rank())
+    return _broadcast_sample(sample, cpu_group, parallel_state.get_tensor_model_parallel_src_rank())
 
 
 def _broadcast_sample(sample: Optional[dict], group: Any, src: int) -> dict:
-    """Broadcast tokens/labels/loss_mask and the pool metadata from ``src`` as int64/float32 tensors."""
+    """Broadcast tokens/labels/loss_mask and the pool metadata from ``src`` as int64/float32 CPU tensors over
+    a gloo ``group`` (shapes first, then values): no device memory is touched, so no host-device sync."""
     import torch
     import torch.distributed as dist
 
-    device = _device()
+    device = torch.device("cpu")
     keys = _SAMPLE_KEYS + ("libra_pool_segments", "libra_pool_position")
     shapes = torch.zeros(len(keys), 4, dtype=torch.int64, device=device)
     if sample is not None:
@@ -341,7 +370,7 @@ def _broadcast_sample(sample: Optional[dict], group: Any, src: int) -> dict:
         value = (torch.as_tensor(sample[key]).to(device=device, dtype=dtype).contiguous() if sample is not None
                  else torch.empty(shape, dtype=dtype, device=device))
         dist.broadcast(value, src, group=group)
-        out[key] = value.cpu()
+        out[key] = value
     return out
 
 
@@ -370,17 +399,19 @@ def _start_planner(config: LibraConfig, args: argparse.Namespace) -> Any:
     return build_planner_from_args(config, args)
 
 
-def _plan_for_rank(planner: Any, pool_segments: Sequence[np.ndarray], position: int, cp_rank: int) -> Any:
-    """The RankPlan of this worker (pool-local id p*CP + c) for the pool's sequences."""
-    return planner.get(pool_segments, position=position, cp_rank=cp_rank)
+def _plan_for_rank(planner: Any, pool_segments: Sequence[np.ndarray], position: int, cp_rank: int) -> tuple:
+    """(RankPlan of this worker (pool-local id p*CP + c), the plan's resolved save mode or None)."""
+    plan, planned = planner.get_planned(pool_segments, position=position, cp_rank=cp_rank)
+    return plan, getattr(planned, "save_mode", None)
 
 
 def _packed_seq_params(cls: Any, qkv_format: str, batch: dict, plan: Any, pool_segments: Sequence[np.ndarray],
                        position: int) -> Any:
     """The plan carrier. thd: max_seqlen = longest document (RoPE per document); sbhd: max_seqlen = L, so
     megatron-core computes RoPE for the whole packed sequence and slices it for this CP rank."""
-    cu_seqlens = batch["cu_seqlens"].to(_device())
-    max_seqlen = int(batch["max_seqlen"]) if qkv_format == "thd" else int(cu_seqlens[-1])
+    host_cu = batch["cu_seqlens"]  # CPU tensor: reading it here costs no device sync
+    max_seqlen = int(batch["max_seqlen"]) if qkv_format == "thd" else int(host_cu[-1])
+    cu_seqlens = _to_device(host_cu, _device())
     return cls(
         qkv_format=qkv_format, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen, libra_plan=plan, libra_pool_segments=[np.asarray(s) for s in pool_segments],

@@ -21,6 +21,11 @@ plans then waits). A failure inside the thread is stored and re-raised by the ``
 ``PlannerError`` carrying the original traceback; ``get`` never blocks longer than ``timeout_s`` and fails
 at once if the thread has died.
 
+Off the training thread, per pool: the PoolPlan; the predicted bytes every rank keeps for backward per
+layer in each save mode (``plan.memory``), and the ``save_mode=auto`` decision from them (pool-wide
+numbers, so every rank of the pool decides the same); and, when ``worker`` is set, this rank's RankPlan
+and its row-index tables (``plan.rank_tables``), so the training thread only uploads them.
+
 Thread safety and memory. ``submit``/``get`` may be called from any thread; slot state is guarded by one
 lock, and a slot's result is published by its ``done`` event. Each ``submit`` announces one upcoming
 ``get``: finished plans no ``get`` is still owed to are evicted first (least recently used), plans still
@@ -40,7 +45,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from ..config import LibraConfig
+from ..config import LibraConfig, SaveModeName
 from ..plan.errors import PlanError
 from ..plan.layout import HeadLayout, TokenLayout
 
@@ -56,13 +61,18 @@ class PlannerError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class PlannedPool:
-    """A finished plan: the ``PoolPlan`` and how long the thread took (seconds, wall clock)."""
+    """A finished plan: the ``PoolPlan``, how long the thread took (seconds, wall clock), the predicted
+    saved bytes per rank per layer ({"arranged": int64 [W], "refetch": int64 [W]}; empty for plans without
+    an exchange) and the resolved save mode (None then)."""
 
     key: str
     segments: tuple
     pool_plan: Any
     latency_s: float
     queued_s: float  # time between submit and the start of planning
+    saved_bytes: Dict[str, np.ndarray] = None
+    save_mode: Optional[SaveModeName] = None
+    rank_ready_s: Optional[float] = None  # submit -> this worker's RankPlan and tables built (worker set)
 
 
 def pool_key(pool_segments: Sequence[Sequence[int]]) -> str:
@@ -102,15 +112,18 @@ class BackgroundPlanner:
         first; pending ones are never evicted. Size it to the plans submitted ahead (a window's worth).
     timeout_s: the longest ``get`` waits before raising ``PlannerError``.
     validate: run ``validate_plan`` on every plan (all ranks' invariants; costs O(units)).
-    worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan index arrays are then
-        built in the thread too (otherwise on first ``get``).
+    worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan and row-index tables
+        are then built in the thread too (otherwise on first ``get`` / first use).
+    num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
+        ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
     """
 
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
-                 validate: bool = False, worker: Optional[int] = None):
+                 validate: bool = False, worker: Optional[int] = None, num_layers: int = 1):
         self.config, self.layout, self.heads = config, layout, heads
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
+        self._num_layers = int(num_layers)
         self._plan_fn = plan_fn or _default_plan_fn
         self._capacity, self._timeout_s, self._validate = int(capacity), float(timeout_s), bool(validate)
         self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()
@@ -150,8 +163,13 @@ class BackgroundPlanner:
     def get(self, pool_segments: Sequence[Sequence[int]], *, position: int, cp_rank: int,
             timeout: Optional[float] = None):
         """``RankPlan`` of pool worker ``position*CP + cp_rank`` for this pool."""
+        return self.get_planned(pool_segments, position=position, cp_rank=cp_rank, timeout=timeout)[0]
+
+    def get_planned(self, pool_segments: Sequence[Sequence[int]], *, position: int, cp_rank: int,
+                    timeout: Optional[float] = None) -> tuple:
+        """(``RankPlan`` of worker ``position*CP + cp_rank``, its ``PlannedPool``) -- one ``get`` of the pool."""
         planned = self.get_pool(pool_segments, timeout)
-        return planned.pool_plan.exchange.for_rank(int(position) * self.layout.cp + int(cp_rank))
+        return planned.pool_plan.exchange.for_rank(int(position) * self.layout.cp + int(cp_rank)), planned
 
     def warm_up(self) -> float:
         """Plan one throw-away pool now (pays imports and first-call costs off the training path).
@@ -179,7 +197,14 @@ class BackgroundPlanner:
         from .metrics import pool_plan_metrics
 
         last = self.latest()
-        return {} if last is None else pool_plan_metrics(last.pool_plan, planner_latency_s=last.latency_s)
+        if last is None:
+            return {}
+        out = pool_plan_metrics(last.pool_plan, planner_latency_s=last.latency_s)
+        for mode, per_rank in (last.saved_bytes or {}).items():  # predicted, worst rank, one layer
+            out[f"saved_bytes_{mode}_max"] = float(np.max(per_rank, initial=0))
+        if last.save_mode is not None:
+            out["save_mode_refetch"] = float(last.save_mode is SaveModeName.REFETCH)
+        return out
 
     def close(self) -> None:
         """Stop the thread after the plan in progress; pending gets raise PlannerError."""
@@ -250,10 +275,11 @@ class BackgroundPlanner:
         try:
             plan = self._plan_fn([list(s) for s in slot.segments], self.config, self.layout, self.heads,
                                  validate=self._validate)
-            if self._worker is not None:
-                plan.exchange.for_rank(self._worker)
+            rank_ready = self._materialise_rank(plan, slot.submitted)
+            saved, mode = self._memory(plan)
             latency = time.perf_counter() - start
-            slot.result = PlannedPool(key, slot.segments, plan, latency, start - slot.submitted)
+            slot.result = PlannedPool(key, slot.segments, plan, latency, start - slot.submitted, saved, mode,
+                                      rank_ready)
             with self._lock:
                 self._latencies.append(latency)
                 self._last = slot.result
@@ -261,6 +287,28 @@ class BackgroundPlanner:
             slot.error, slot.error_text = exc, traceback.format_exc()
         finally:
             slot.done.set()
+
+    def _materialise_rank(self, plan, submitted: float) -> Optional[float]:
+        """Build this worker's RankPlan and its row-index tables now; seconds since submit, or None."""
+        exchange = getattr(plan, "exchange", None)
+        if self._worker is None or exchange is None:
+            return None
+        from ..plan.rank_tables import rank_tables
+
+        rank_tables(exchange.for_rank(self._worker))
+        return time.perf_counter() - submitted
+
+    def _memory(self, plan) -> tuple:
+        """(predicted saved bytes per rank per layer by mode, resolved save mode) of a PoolPlan."""
+        exchange = getattr(plan, "exchange", None)
+        if exchange is None or "q_pieces" not in getattr(exchange, "extra", {}):
+            return {}, None
+        from ..plan.memory import choose_save_mode, predicted_saved_bytes
+
+        saved = predicted_saved_bytes(exchange, self.heads, self.layout.local_len)
+        mode = choose_save_mode(self.config.save_mode, saved["arranged"], self.config.activation_budget_gb,
+                                self._num_layers)
+        return saved, mode
 
     def _fail_pending(self, why: str) -> None:
         with self._lock:
@@ -298,7 +346,8 @@ def check_plan_fingerprints(fingerprint: str, group) -> None:
 
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
-    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``.
+    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``;
+    this rank's pool worker id (its RankPlan is materialised in the thread) and its stage's layer count.
 
     Its capacity holds two windows of plans (GBS / (mbs * DP) each, at least 64 plans): the sampler submits a
     whole window ahead (``LibraHooks`` plan-ahead), and the DataLoader may start the next one early.
@@ -313,4 +362,14 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
-    return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    layers = -(-int(getattr(args, "num_layers", 1) or 1) // pp)
+    return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window), worker=_pool_worker(),
+                             num_layers=layers)
+
+
+def _pool_worker() -> Optional[int]:
+    """This rank's pool-local worker id p*CP + c, when the pool groups exist (they do in the launcher)."""
+    from . import groups
+
+    return groups.get_pool_rank() if groups.pool_groups_initialized() else None

@@ -15,78 +15,51 @@ Pipeliner: chunk m+1 is dispatched and chunk m-1 returned (async) while chunk m 
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations, and with
 shared kv heads several chunks, contribute to the same local K/V rows).
+
+Precision: every sum of dK|dV fragments runs in fp32 (fp64 for fp64 inputs): the varlen entries that
+share key rows at a destination are added into an fp32 arranged buffer, which is cast once to the input
+dtype for the return exchange, and the home adds every destination's and chunk's fragment into an fp32
+local buffer, cast once at the end. O and dQ rows have exactly one source, so they are never summed.
+
+Per layer (a verified call key): the exchange's all_to_all_single calls and nothing else -- no other
+collective, no host read of a device value. The first call with a new key verifies it (``checks``).
 """
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
-import numpy as np
 import torch
 
 from ..config import KernelBackendName
-from ..plan.exchange import RankPlan, kv_rows, q_rows
-from .checks import check_plan_consistency
-from .kernels import VarlenBatch, resolve_backend
-from .routes import ExchangeStats, RouteIndex, route_index, start_exchange
+from ..plan.exchange import RankPlan
+from ..plan.rank_tables import rank_tables
+from .checks import ensure_plan_verified
+from .kernels import resolve_backend
+from .routes import DeviceTables, ExchangeStats, device_tables, start_exchange
 
 __all__ = ["libra_attn_func", "SaveMode", "ExchangeStats"]
 
 
 class SaveMode(str, enum.Enum):
-    """What the forward keeps for backward (see docs/runtime.md for measured memory)."""
+    """What the forward keeps for backward (``plan.memory`` predicts the bytes; docs/runtime.md)."""
 
     ARRANGED = "arranged"  # keep arranged Q, K|V, O and lse at the destination: no extra backward traffic
-    REFETCH = "refetch"  # keep only lse; backward re-exchanges Q, K|V and O (+dO) along the plan's routes
+    REFETCH = "refetch"  # keep only lse (+ the local q, k, v, out); backward re-exchanges Q, K|V and O
 
 
-# ============================================================================ per-plan device tables
-@dataclass(frozen=True)
-class _ChunkRoutes:
-    q_fwd: RouteIndex  # local chunk view -> arranged Q
-    kv_fwd: RouteIndex  # local K/V chunk views -> arranged K|V
-    q_inv: RouteIndex  # arranged -> local chunk view (O, dQ)
-    kv_inv: RouteIndex  # arranged K|V -> local K/V chunk views (dK|dV, accumulating)
+def _save_mode(value) -> SaveMode:
+    value = getattr(value, "value", value)
+    if value == "auto":
+        raise ValueError("save_mode 'auto' is resolved per pool plan by the planner (plan.memory.choose_save_mode); "
+                         "libra_attn_func takes 'arranged' or 'refetch'")
+    return SaveMode(value)
 
 
-@dataclass(frozen=True)
-class _PlanTensors:
-    chunks: Tuple[_ChunkRoutes, ...]
-    batch: VarlenBatch
-    k_gather: torch.Tensor  # int64 [nk]: arranged-KV row of every packed key row
-
-
-_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _chunk_routes(plan: RankPlan, m: int, device) -> _ChunkRoutes:
-    heads, r = plan.heads, plan.rank
-    qr, kr = plan.q_route, plan.kv_route
-    qi, ki = qr.inverse(), kr.inverse()
-    return _ChunkRoutes(
-        q_fwd=route_index(qr, r, q_rows(qr.send_index, heads, m), qr.recv_index, device),
-        kv_fwd=route_index(kr, r, kv_rows(kr.send_index, heads, m), kr.recv_index, device),
-        q_inv=route_index(qi, r, qi.send_index, q_rows(qi.recv_index, heads, m), device),
-        kv_inv=route_index(ki, r, ki.send_index, kv_rows(ki.recv_index, heads, m), device),
-    )
-
-
-def _plan_tensors(plan: RankPlan, device: torch.device) -> _PlanTensors:
-    """Index tensors of ``plan`` on ``device``, built once per (plan object, device) and cached."""
-    per_plan = _TABLES.setdefault(plan, {})
-    if device not in per_plan:
-        q_lens = np.diff(plan.cu_seqlens_q)
-        starts = np.repeat(plan.seq_kv_offset, plan.seq_k_len)
-        within = np.arange(int(plan.seq_k_len.sum())) - np.repeat(np.cumsum(plan.seq_k_len) - plan.seq_k_len,
-                                                                  plan.seq_k_len)
-        per_plan[device] = _PlanTensors(
-            chunks=tuple(_chunk_routes(plan, m, device) for m in range(plan.heads.num_chunks)),
-            batch=VarlenBatch.from_lengths(q_lens, plan.seq_k_len, device),
-            k_gather=torch.as_tensor((starts + within).astype(np.int64), device=device),
-        )
-    return per_plan[device]
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of dK/dV fragments run in fp32 for fp16/bf16 (fp64 stays fp64) and are cast once."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ============================================================================ operator state
@@ -95,11 +68,12 @@ class _Ctx:
     """Everything the chunk helpers share within one call (no tensors owned by autograd here)."""
 
     plan: RankPlan
-    tables: _PlanTensors
+    tables: DeviceTables
     group: object
     scale: float
     backend: object
     stats: Optional[ExchangeStats]
+    acc_dtype: torch.dtype  # dK|dV sums (fp32 for fp16/bf16 inputs)
 
     def kernel(self, fn, *args):
         if self.stats is None:
@@ -126,9 +100,10 @@ def _dispatch_kv(cx: _Ctx, k_view, v_view, m: int, kind: str):
     return start_exchange(send, idx, cx.group, cx.stats, kind)
 
 
-def _return(cx: _Ctx, arranged, m: int, which: str, kind: str):
+def _return(cx: _Ctx, arranged, m: int, which: str, kind: str, wire_dtype: torch.dtype):
+    """Send arranged rows home along an inverse route, cast to ``wire_dtype`` (once, after the gather)."""
     idx = getattr(cx.tables.chunks[m], which)
-    return start_exchange(arranged.index_select(0, idx.send_rows), idx, cx.group, cx.stats, kind)
+    return start_exchange(arranged.index_select(0, idx.send_rows).to(wire_dtype), idx, cx.group, cx.stats, kind)
 
 
 def _packed_kv(cx: _Ctx, kv_arr):
@@ -159,7 +134,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
             incoming = (_dispatch_q(cx, qv, m + 1, "q"), _dispatch_kv(cx, kv_, vv, m + 1, "kv"))
         q_arr, kv_arr = current[0].placed(), current[1].placed()
         o_arr, lse = _fwd_chunk(cx, q_arr, kv_arr)
-        returning = _return(cx, o_arr, m, "q_inv", "o")
+        returning = _return(cx, o_arr, m, "q_inv", "o", q.dtype)
         if outgoing is not None:
             outgoing.into(out_view)  # chunk m-1's O arrived while chunk m computed
         outgoing = returning
@@ -181,7 +156,8 @@ def _bwd_inputs(cx: _Ctx, m: int, dout_view, saved, local):
 
 
 def _bwd_chunk(cx: _Ctx, pending, saved_m):
-    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), dkv_arr (nkv, 2*kp, d))."""
+    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), dkv_arr (nkv, 2*kp, d) in
+    ``cx.acc_dtype``: the entries sharing key rows are summed there in fp32)."""
     if "q" in pending:
         q_arr, kv_arr, o_arr = pending["q"].placed(), pending["kv"].placed(), pending["o"].placed()
         (lse,) = saved_m
@@ -190,8 +166,8 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m):
     do_arr = pending["do"].placed()
     k_pk, v_pk = _packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale)
-    dkv_arr = kv_arr.new_zeros(kv_arr.shape)
-    dkv_arr.index_add_(0, cx.tables.k_gather, torch.cat([dk_pk, dv_pk], dim=1))
+    dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype)
+    dkv_arr.index_add_(0, cx.tables.k_gather, torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype))
     return dq_arr, dkv_arr
 
 
@@ -202,7 +178,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
     dout_view = dout.reshape(-1, heads.q_piece, heads.head_dim)
     dq_view = torch.zeros_like(dout_view)
     kp = heads.kv_piece
-    dkv_local = dout.new_zeros((k_shape[0] * heads.kv_pieces_per_token, 2 * kp, heads.head_dim))
+    dkv_local = dout.new_zeros((k_shape[0] * heads.kv_pieces_per_token, 2 * kp, heads.head_dim), dtype=cx.acc_dtype)
     incoming = _bwd_inputs(cx, 0, dout_view, saved, local)
     outgoing = None
     for m in range(heads.num_chunks):
@@ -210,14 +186,15 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
         dq_arr, dkv_arr = _bwd_chunk(cx, current, saved[m])
-        returning = (_return(cx, dq_arr, m, "q_inv", "dq"), _return(cx, dkv_arr, m, "kv_inv", "dkv"))
+        returning = (_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype),
+                     _return(cx, dkv_arr, m, "kv_inv", "dkv", dout.dtype))
         if outgoing is not None:
             outgoing[0].into(dq_view)
             outgoing[1].into(dkv_local)
         outgoing = returning
     outgoing[0].into(dq_view)
     outgoing[1].into(dkv_local)
-    dkv_local = dkv_local.view(-1, 2, kp, heads.head_dim)
+    dkv_local = dkv_local.to(dout.dtype).view(-1, 2, kp, heads.head_dim)  # the one cast of the sums
     return dq_view.view_as(dout), dkv_local[:, 0].reshape(k_shape), dkv_local[:, 1].reshape(k_shape)
 
 
@@ -236,7 +213,7 @@ class _LibraAttnFunction(torch.autograd.Function):
         extra = [q, k, v, out] if save_mode is SaveMode.REFETCH else []
         autograd_ctx.save_for_backward(*flat, *extra)
         if cx.stats is not None:
-            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in flat)
+            cx.stats.saved_bytes = sum(t.numel() * t.element_size() for t in flat + extra)
         return out
 
     @staticmethod
@@ -256,7 +233,8 @@ class _LibraAttnFunction(torch.autograd.Function):
 # ============================================================================ public API
 def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group, *,
                     softmax_scale: Optional[float] = None, backend=KernelBackendName.AUTO, qkv_format: str = "thd",
-                    save_mode=SaveMode.ARRANGED, stats: Optional[ExchangeStats] = None) -> torch.Tensor:
+                    save_mode=SaveMode.ARRANGED, stats: Optional[ExchangeStats] = None, verify="auto",
+                    check_group=None) -> torch.Tensor:
     """Causal attention over the packed sequences of a sequence pool, executed from ``plan``.
 
     Arguments:
@@ -264,17 +242,21 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
            This rank's local tokens: its CP shard of its packed sequence under the plan's token layout.
         k, v: (t, hkv, d) or (t, 1, hkv, d), same dtype and device as q; hkv | hq (GQA).
         plan: this rank's ``RankPlan`` (``plan.rank`` == rank in ``group``); all ranks must hold RankPlans
-            of the same ExchangePlan (checked: same fingerprint).
+            of the same ExchangePlan (checked: same call key, see ``runtime.checks``).
         group: the sequence pool's process group (P*CP ranks).
         softmax_scale: default 1/sqrt(d).
-        backend: ``KernelBackendName`` (auto | flash | torch).
-        save_mode: ``SaveMode.ARRANGED`` (keep destination tensors) or ``SaveMode.REFETCH``.
+        backend: ``KernelBackendName`` (auto | flash | torch_flash | torch), see ``runtime.kernels``.
+        save_mode: ``SaveMode.ARRANGED`` (keep destination tensors) or ``SaveMode.REFETCH``; every rank of
+            the pool must pass the same (it is part of the call key).
         stats: optional ``ExchangeStats`` accumulating bytes sent per kind, kernel time, saved bytes.
+        verify: True | False | "auto" -- when the one-collective plan verification runs (``runtime.checks``);
+            "auto" = the first call with a new call key. Must be the same decision on every rank.
+        check_group: group the verification gathers over (a gloo twin of ``group`` avoids a device read).
     Returns:
         out: same shape, dtype and device as q -- attention output for exactly this rank's local tokens.
     Raises:
-        PlanError on *every* rank (never a hang) if any rank's plan does not fit its tensors or group, or
-        the ranks' plan fingerprints differ. ValueError for a bad qkv_format / backend.
+        PlanError on *every* rank (never a hang) if a verified call finds any rank's plan not fitting its
+        tensors or group, or differing call keys. ValueError for a bad qkv_format / backend / save_mode.
     """
     if qkv_format not in ("thd", "sbhd"):
         raise ValueError(f"qkv_format must be 'thd' or 'sbhd', got {qkv_format!r}")
@@ -282,13 +264,16 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
         if q.dim() != 4 or q.shape[1] != 1:
             raise ValueError(f"qkv_format='sbhd' needs (t, 1, h, d) with b=1, got q of shape {tuple(q.shape)}")
         out = libra_attn_func(q.squeeze(1), k.squeeze(1), v.squeeze(1), plan, group, softmax_scale=softmax_scale,
-                              backend=backend, save_mode=save_mode, stats=stats)
+                              backend=backend, save_mode=save_mode, stats=stats, verify=verify,
+                              check_group=check_group)
         return out.unsqueeze(1)
-    check_plan_consistency(q, k, v, plan, group)
+    mode = _save_mode(save_mode)
+    ensure_plan_verified(q, k, v, plan, group, save_mode=mode.value, verify=verify, check_group=check_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    cx = _Ctx(plan=plan, tables=_plan_tensors(plan, q.device), group=group, scale=scale,
-              backend=resolve_backend(backend, q.device), stats=stats)
-    return _apply(q, k, v, cx, SaveMode(save_mode))
+    cx = _Ctx(plan=plan, tables=device_tables(plan, rank_tables, q.device), group=group, scale=scale,
+              backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]), stats=stats,
+              acc_dtype=_accumulation_dtype(q.dtype))
+    return _apply(q, k, v, cx, mode)
 
 
 def _apply(q, k, v, cx: _Ctx, save_mode: SaveMode):

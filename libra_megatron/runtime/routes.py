@@ -9,23 +9,28 @@ Shape legend (one chunk m of the Pipeliner, §4.4):
     arranged KV (K|V stacked) (kv_route.target_len, 2*kp, d)
 A route moves *units*; one unit is one row of the views above, so split sizes are row counts.
 
-Forward routes place (``target[recv_rows] = received``), inverse routes accumulate (``index_add``),
-exactly as ``plan.exchange.Route`` specifies. Every exchange is launched with ``async_op=True`` and
-returns a ``PendingExchange`` that is waited on only right before its tensor is needed.
+Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
+so every row is written once); inverse routes accumulate (``index_add_``), casting the received rows to the target's dtype
+so a float32 target sums low-precision fragments in float32. Index tensors are int32 (``plan.rank_tables``)
+and device tables live in a small LRU (``DeviceTables``). Every exchange is launched with
+``async_op=True``; its ``PendingExchange`` is waited on only right before the tensor is used.
 """
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional, Tuple  # noqa: F401
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..plan.exchange import Route
+from ..plan.rank_tables import RankTables, RouteSplits
+from .kernels import VarlenBatch, host_to_device
 
-__all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "route_index", "start_exchange"]
+__all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "ChunkRoutes", "DeviceTables", "device_tables",
+           "set_table_cache_size", "start_exchange"]
 
 
 @dataclass
@@ -36,7 +41,7 @@ class ExchangeStats:
                       forward "q", "kv", "o"; backward "do", "dq", "dkv" (+ "q_bwd", "kv_bwd", "o_bwd"
                       when the backward re-exchanges instead of saving arranged tensors).
     kernel_seconds    thread CPU time spent inside attention kernel calls (fwd + bwd)
-    saved_bytes       bytes of tensors saved for backward by the last forward (activation memory)
+    saved_bytes       bytes the last forward kept alive for backward (``plan.memory`` predicts it)
     """
 
     bytes_sent: Dict[str, int] = field(default_factory=dict)
@@ -58,34 +63,117 @@ class ExchangeStats:
 
 @dataclass(frozen=True)
 class RouteIndex:
-    """One route of one chunk, as device tensors.
+    """One route of one chunk on the device.
 
-    send_rows  int64 [n_send]  rows of the source buffer, grouped by destination rank
-    recv_rows  int64 [n_recv]  rows of the target buffer for the received rows, in arrival order
-    send_splits / recv_splits  rows per rank (Python ints, as ``all_to_all_single`` wants)
-    remote_rows                rows sent to other ranks (self excluded), for byte accounting
+    send_rows  int32 [n_send]  rows of the source buffer, grouped by destination rank
+    recv_rows  int32 [n_recv]  rows of the target buffer the received rows land on (forward: a permutation
+               of the arranged rows, placed; inverse: local rows, accumulated)
+    splits     send/recv rows per rank (Python ints) and rows sent to other ranks
+    accumulate inverse routes add (several destinations and chunks feed one local row)
     """
 
     send_rows: torch.Tensor
     recv_rows: torch.Tensor
-    send_splits: List[int]
-    recv_splits: List[int]
-    target_len: int
+    splits: RouteSplits
     accumulate: bool
-    remote_rows: int
 
 
-def route_index(route: Route, rank: int, send_rows: np.ndarray, recv_rows: np.ndarray, device) -> RouteIndex:
-    """Device copy of ``route`` with its unit indices already mapped to buffer rows."""
-    return RouteIndex(
-        send_rows=torch.tensor(np.asarray(send_rows, dtype=np.int64), device=device),
-        recv_rows=torch.tensor(np.asarray(recv_rows, dtype=np.int64), device=device),
-        send_splits=[int(x) for x in route.send_splits],
-        recv_splits=[int(x) for x in route.recv_splits],
-        target_len=int(route.target_len),
-        accumulate=bool(route.accumulate),
-        remote_rows=route.remote_units_sent(rank),
-    )
+@dataclass(frozen=True)
+class ChunkRoutes:
+    q_fwd: RouteIndex  # local chunk view -> arranged Q
+    kv_fwd: RouteIndex  # local K/V chunk views -> arranged K|V
+    q_inv: RouteIndex  # arranged -> local chunk view (O, dQ)
+    kv_inv: RouteIndex  # arranged K|V -> local K/V chunk views (dK|dV, accumulating)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTables:
+    """Everything one RankPlan indexes with, on one device."""
+
+    chunks: Tuple[ChunkRoutes, ...]
+    batch: VarlenBatch
+    k_gather: torch.Tensor  # int32 [nk]: arranged-KV row of every packed key row
+    nbytes: int
+
+
+def _upload(tables: RankTables, device) -> DeviceTables:
+    uploaded = {}
+
+    def up(array):  # arrays shared by several chunks (shared kv pieces) are uploaded once
+        if id(array) not in uploaded:
+            uploaded[id(array)] = host_to_device(array, device)
+        return uploaded[id(array)]
+
+    q_arr, kv_arr = up(tables.q_arranged), up(tables.kv_arranged)
+    chunks = []
+    for q_send, kv_send in zip(tables.q_send, tables.kv_send):
+        q_rows, kv_rows = up(q_send), up(kv_send)
+        chunks.append(ChunkRoutes(
+            q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
+            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False),
+            q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=True),
+            kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
+        ))
+    bounds = _bounds(tables)
+    batch = VarlenBatch(cu_q=up(tables.cu_q), cu_k=up(tables.cu_k), max_q=max(tables.q_lens, default=0),
+                        max_k=max(tables.k_lens, default=0), bounds=bounds)
+    return DeviceTables(chunks=tuple(chunks), batch=batch, k_gather=up(tables.k_gather), nbytes=tables.nbytes())
+
+
+def _bounds(tables: RankTables):
+    cq, ck = tables.cu_q.tolist(), tables.cu_k.tolist()  # host numpy arrays: no device involved
+    return tuple((cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(tables.num_entries))
+
+
+class _TableCache:
+    """LRU of device tables keyed by (plan object, device); holds at most ``capacity`` plans' tables.
+
+    The planner keeps many RankPlans alive (a window or two of microbatches); only the few in flight
+    need device tables, so they are not tied to the plans' lifetime (which held GiBs before).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: "collections.OrderedDict" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, plan, device, build) -> DeviceTables:
+        key = (id(plan), str(device))
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and hit[0] is plan:
+                self._items.move_to_end(key)
+                return hit[1]
+        tables = build()
+        with self._lock:
+            self._items[key] = (plan, tables)  # the entry keeps the plan alive, so id() stays unique
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return tables
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.nbytes for _, t in self._items.values())
+
+
+_CACHE = _TableCache(capacity=4)
+
+
+def set_table_cache_size(capacity: int) -> None:
+    """Plans whose device tables stay cached (default 4: the microbatches in flight under 1F1B, PP <= 2)."""
+    if capacity < 1:
+        raise ValueError(f"table cache size must be >= 1, got {capacity}")
+    _CACHE.capacity = int(capacity)
+
+
+def device_tables(plan, tables_fn, device) -> DeviceTables:
+    """Device tables of ``plan`` (``tables_fn(plan)`` gives its host ``RankTables``), LRU-cached."""
+    return _CACHE.get(plan, torch.device(device), lambda: _upload(tables_fn(plan), device))
+
+
+def cached_table_bytes() -> int:
+    return _CACHE.nbytes()
 
 
 class PendingExchange:
@@ -104,18 +192,15 @@ class PendingExchange:
         return self.received
 
     def placed(self) -> torch.Tensor:
-        """Wait, then return a fresh target buffer (target_len rows) filled by the route's rule."""
+        """Wait, then return the arranged buffer of a forward route (every row written exactly once)."""
         received = self.wait()
-        target = received.new_zeros((self.index.target_len,) + tuple(received.shape[1:]))
-        return self.into(target)
+        target = torch.empty_like(received)
+        return target.index_put_((self.index.recv_rows,), received)
 
     def into(self, target: torch.Tensor) -> torch.Tensor:
-        """Wait, then place (forward route) or accumulate (inverse route) into ``target`` in place."""
+        """Wait, then add the received rows of an inverse route into ``target`` (in target's dtype)."""
         received = self.wait()
-        if self.index.accumulate:
-            target.index_add_(0, self.index.recv_rows, received)
-        else:
-            target.index_copy_(0, self.index.recv_rows, received)
+        target.index_add_(0, self.index.recv_rows, received.to(target.dtype))
         return target
 
 
@@ -128,10 +213,10 @@ def start_exchange(send: torch.Tensor, index: RouteIndex, group, stats: Optional
     send = send.contiguous()
     if stats is not None:
         row_bytes = send[0].numel() * send.element_size() if send.shape[0] else 0
-        stats.add_bytes(kind, index.remote_rows * row_bytes)
-    if len(index.send_splits) == 1:
+        stats.add_bytes(kind, index.splits.remote_send_rows * row_bytes)
+    if len(index.splits.send) == 1:
         return PendingExchange(None, send, index)
-    received = send.new_empty((sum(index.recv_splits),) + tuple(send.shape[1:]))
-    work = dist.all_to_all_single(received, send, output_split_sizes=index.recv_splits,
-                                  input_split_sizes=index.send_splits, group=group, async_op=async_op)
+    received = send.new_empty((sum(index.splits.recv),) + tuple(send.shape[1:]))
+    work = dist.all_to_all_single(received, send, output_split_sizes=list(index.splits.recv),
+                                  input_split_sizes=list(index.splits.send), group=group, async_op=async_op)
     return PendingExchange(work if async_op else None, received, index, send)

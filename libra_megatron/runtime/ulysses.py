@@ -5,9 +5,13 @@ Shape legend (one CP rank c of CP ranks; L = CP*t tokens of the packed sequence)
     after seq->head all-to-all:  (L, h/CP, d) in global token order (every rank holds all tokens, h/CP heads)
     cu_seqlens  int [n+1]  raw-sample boundaries of the whole packed sequence (0 .. L)
 When hkv is not a multiple of CP, K/V heads are first repeated to hq (GQA expansion; gradients sum back).
+
+No host sync: ``cu_seqlens`` must be host data (list, numpy or a CPU tensor); the token orders and the
+varlen batch it implies are built once per (boundaries, layout, CP, device) and kept in a small LRU.
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import numpy as np
@@ -16,7 +20,7 @@ import torch.distributed as dist
 
 from ..config import KernelBackendName, TokenLayoutKind
 from ..plan.layout import TokenLayout
-from .kernels import VarlenBatch, varlen_attn_func
+from .kernels import VarlenBatch, host_to_device, varlen_attn_func
 from .routes import ExchangeStats
 
 __all__ = ["ulysses_attn_func"]
@@ -78,7 +82,32 @@ def _orders(layout: TokenLayout, device):
     """(order, gathered_pos): gathered[order] is global order; global[gathered_pos] is gathered order."""
     gathered_pos = np.concatenate([layout.local_to_global(c) for c in range(layout.cp)])
     order = np.argsort(gathered_pos)
-    return torch.as_tensor(order, device=device), torch.as_tensor(gathered_pos, device=device)
+    return host_to_device(order.astype(np.int32), device), host_to_device(gathered_pos.astype(np.int32), device)
+
+
+_TABLES: "collections.OrderedDict" = collections.OrderedDict()
+_TABLES_CAPACITY = 8
+
+
+def _tables(bounds: tuple, token_layout, cp: int, device):
+    """(order, gathered_pos, VarlenBatch) of one packed sequence, LRU-cached (built on first use only)."""
+    key = (bounds, TokenLayoutKind(token_layout), cp, str(device))
+    hit = _TABLES.get(key)
+    if hit is None:
+        lens = np.diff(bounds)
+        order, gathered_pos = _orders(TokenLayout(token_layout, bounds[-1], cp), device)
+        hit = _TABLES[key] = (order, gathered_pos, VarlenBatch.from_lengths(lens, lens, device))
+        while len(_TABLES) > _TABLES_CAPACITY:
+            _TABLES.popitem(last=False)
+    _TABLES.move_to_end(key)
+    return hit
+
+
+def _host_bounds(cu_seqlens) -> tuple:
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"ulysses_attn_func needs host cu_seqlens (list, numpy or CPU tensor), got a tensor on "
+                         f"{cu_seqlens.device}: reading it would synchronise the device in every layer")
+    return tuple(int(x) for x in np.asarray(cu_seqlens).reshape(-1))
 
 
 def ulysses_attn_func(q, k, v, cu_seqlens, cp_group, *, token_layout=TokenLayoutKind.CONTIGUOUS,
@@ -89,7 +118,8 @@ def ulysses_attn_func(q, k, v, cu_seqlens, cp_group, *, token_layout=TokenLayout
     Arguments:
         q: (t, hq, d) ("thd") or (t, 1, hq, d) ("sbhd"); k, v: (t, hkv, d) likewise. Same dtype/device.
            This CP rank's shard under ``token_layout`` (contiguous | zigzag). hq % CP == 0.
-        cu_seqlens: (n+1,) int, raw-sample boundaries of the whole packed sequence, cu_seqlens[-1] == CP*t.
+        cu_seqlens: (n+1,) host ints (list / numpy / CPU tensor), raw-sample boundaries of the whole packed
+            sequence, cu_seqlens[-1] == CP*t.
         stats: optional ``ExchangeStats``; kernel thread time and remote bytes ("q", "kv", "o") are added.
     Returns: out like q.
     """
@@ -103,16 +133,13 @@ def ulysses_attn_func(q, k, v, cu_seqlens, cp_group, *, token_layout=TokenLayout
     hq, hkv = q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"Ulysses needs num_attention_heads {hq} divisible by the CP size {cp} ({hq} % {cp} = {hq % cp})")
-    bounds = [int(x) for x in torch.as_tensor(cu_seqlens).tolist()]
+    bounds = _host_bounds(cu_seqlens)
     if bounds[-1] != cp * q.shape[0]:
         raise ValueError(f"cu_seqlens[-1] = {bounds[-1]} must equal CP*t = {cp}*{q.shape[0]}")
     if hkv % cp:  # GQA expansion: every rank needs the kv head of each of its query heads
         k, v = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-    layout = TokenLayout(token_layout, bounds[-1], cp)
-    order, gathered_pos = _orders(layout, q.device)
+    order, gathered_pos, batch = _tables(bounds, token_layout, cp, q.device)
     args = (order, gathered_pos, cp_group, stats)
     qh, kh, vh = (_SeqToHead.apply(x.contiguous(), *args, kind) for x, kind in ((q, "q"), (k, "kv"), (v, "kv")))
-    lens = np.diff(bounds)
-    batch = VarlenBatch.from_lengths(lens, lens, q.device)
     out_h = varlen_attn_func(qh, kh, vh, batch, softmax_scale, backend, stats)
     return _HeadToSeq.apply(out_h, *args, "o")

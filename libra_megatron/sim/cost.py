@@ -50,7 +50,7 @@ def exposed_comm_seconds(comm, compute, num_chunks: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CalibrationTable:
-    """Measured attention throughput per call shape (written by ``benchmarks/gpu/calibrate.py``).
+    """Measured attention throughput per call shape (written by the ``calibration`` section of ``benchmarks/gpu/device_check.py``).
 
     JSON: ``{"device": str, "head_dim": int, "entries": [{"block_tokens": int, "heads": int,
     "seconds": float, "pairs": int}, ...]}``; ``pairs`` = causal query-key pairs per head of the timed

@@ -295,7 +295,7 @@ class _Rank:
                 planned.append(pool)
             if ga == 0 and next_keys is not None:
                 upcoming = next_keys()  # the next step plans while this one computes
-            loss, tokens = self._forward_backward(key, plan)
+            loss, tokens = self._forward_backward(key, plan, getattr(pool, "save_mode", None))
             loss_sum, num_tokens = loss_sum + loss, num_tokens + tokens
         totals = torch.tensor([loss_sum, num_tokens], dtype=torch.float64)
         torch.distributed.all_reduce(totals)
@@ -315,7 +315,7 @@ class _Rank:
             plan = planned.pool_plan.exchange.for_rank(key.pool_position * self.cfg.cp + self.cp_rank)
         return plan, wait, planned
 
-    def _forward_backward(self, key, plan):
+    def _forward_backward(self, key, plan, save_mode=None):
         """Forward + backward of the summed per-token loss of one microbatch; (loss sum, loss tokens)."""
         from ..megatron.batch import LibraPackedSeqParams, build_libra_batch
         from ..megatron.sampler import decode_pool_segments
@@ -327,7 +327,9 @@ class _Rank:
         cu = batch["cu_seqlens"] if self.cfg.cp == 1 else None  # CP > 1 always runs a plan
         carrier = LibraPackedSeqParams(  # sbhd: RoPE over packed-sequence positions, CP-sliced by megatron-core
             qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=self.cfg.seq_len,
-            max_seqlen_kv=self.cfg.seq_len, libra_plan=plan, libra_pool_segments=pool_segs, libra_position=position)
+            max_seqlen_kv=self.cfg.seq_len, libra_plan=plan, libra_pool_segments=pool_segs, libra_position=position,
+            libra_kernel_backend=self.lib.kernel_backend.value,
+            libra_save_mode=None if save_mode is None else save_mode.value)
         tokens, labels = (self.remap[batch[k].clamp(0, self.remap.numel() - 1)] for k in ("tokens", "labels"))
         per_token = self.model(tokens, batch["position_ids"], None, labels=labels, packed_seq_params=carrier)
         mask = batch["loss_mask"]

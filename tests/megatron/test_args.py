@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 import pytest
@@ -35,7 +36,8 @@ def _yaml(tmp_path, data, name="libra.yaml"):
 def test_flags_default_to_none_so_overrides_are_detectable():
     args = add_libra_args(argparse.ArgumentParser()).parse_args([])
     libra = {k: v for k, v in vars(args).items() if k.startswith("libra_")}
-    assert len(libra) == 13 and all(v is None for v in libra.values())
+    num_flags = len(dataclasses.fields(LibraConfig)) + 3  # + --libra-config and the two ablation switches
+    assert len(libra) == num_flags and all(v is None for v in libra.values())
     assert libra_config_from_args(_args([])) == LibraConfig()
 
 

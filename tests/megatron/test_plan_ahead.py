@@ -74,9 +74,9 @@ class _RecordingPlanner:
         self.submitted.extend(pool_key(p) for p in pools)
         return self.inner.submit_many(pools)
 
-    def get(self, pool_segments, *, position, cp_rank):
+    def get_planned(self, pool_segments, *, position, cp_rank):
         self.gets.append((pool_key(pool_segments), tuple(self.submitted)))
-        return self.inner.get(pool_segments, position=position, cp_rank=cp_rank)
+        return self.inner.get_planned(pool_segments, position=position, cp_rank=cp_rank)
 
     def close(self):
         self.inner.close()
@@ -142,6 +142,9 @@ def test_hooks_queue_every_ga_plan_of_a_window_before_get_batch_and_get_matches_
         assert packed.libra_plan.fingerprint == expected.fingerprint == sync.fingerprint
         assert packed.libra_plan.rank == expected.rank
         np.testing.assert_array_equal(packed.libra_plan.cu_seqlens_q, expected.cu_seqlens_q)
+        planned = inner.get_pool(key.pool_segments)  # the knobs the module will run with travel on the carrier
+        assert packed.libra_kernel_backend == CONFIG.kernel_backend.value
+        assert packed.libra_save_mode == planned.save_mode.value
     assert len(recorder.submitted) == num_windows * NUM_GA  # one submission per GA index, nothing more
     assert len(recorder.inner.latencies()) == len(set(recorder.submitted))  # no pool planned twice
 

@@ -119,7 +119,11 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     got = (out.detach().reshape(q.shape), q.grad, k.grad, v.grad)
     errs = [_rel_err(a, shard_tokens(b, layout, c)) for a, b in zip(got, ref)]
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
+    from libra_megatron.plan.memory import saved_bytes_per_rank
+
+    predicted = int(saved_bytes_per_rank(plan, rp.heads, layout.local_len, case["save_mode"])[rank])
     return dict(errs=errs, bytes=dict(stats.bytes_sent), plan_bytes=list(rp.bytes_sent),
+                saved_predicted=predicted,
                 kv_recv_bytes=kv_recv_remote * rp.heads.kv_bytes_per_token(), saved_bytes=stats.saved_bytes,
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
                 kernel_calls=stats.kernel_calls)
@@ -176,11 +180,181 @@ def run_subpool_cases(rank: int, world_size: int, cases) -> list:
     return [run_libra_case(local, pair[pool], groups[pool]) for pair in cases]
 
 
-def run_suite(rank: int, world_size: int, libra_cases, stale_cases, ulysses_cases, subpool_cases=()) -> dict:
+def run_suite(rank: int, world_size: int, libra_cases, stale_cases, ulysses_cases, subpool_cases=(),
+              precision_cases=(), collective_case=None) -> dict:
     """Everything one spawned run executes, in the same order on every rank."""
     return dict(
         subpool=run_subpool_cases(rank, world_size, subpool_cases) if subpool_cases else [],
         libra=[run_libra_case(rank, c) for c in libra_cases],
         stale=[run_stale_case(rank, c) for c in stale_cases],
         ulysses=[run_ulysses_case(rank, c) for c in ulysses_cases],
+        precision=run_precision_cases(rank, precision_cases, world_size == 4) if precision_cases else None,
+        collectives=run_collective_counts(rank, collective_case) if collective_case else None,
     )
+
+
+# ====================================================================================== low precision
+PRECISION_SHAPES = {  # world size -> (P, CP, L): one long sample per sequence, small blocks, random placement
+    2: [(2, 1, 64)], 4: [(2, 2, 64), (4, 1, 64)], 8: [(4, 2, 96), (8, 1, 96)],
+}
+
+
+def make_precision_cases(world_size: int, seed: int) -> List[dict]:
+    """bf16 and fp16 cases whose K/V rows receive many dK|dV fragments (several destinations x chunks that
+    share a kv head: hq=8, hkv=1, M=4 -> every chunk reads kv head 0)."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i, (P, cp, L) in enumerate(PRECISION_SHAPES[world_size]):
+        for dtype in ("bfloat16", "float16"):
+            segs = [[L]] + trace_segments(rng, P - 1, L)
+            cases.append(dict(P=P, cp=cp, L=L, segs=segs, hq=8, hkv=1, H=1, M=4, d=16, layout="zigzag", block=4,
+                              assign="random", assign_seed=int(rng.integers(1 << 30)), dtype=dtype,
+                              save_mode=["arranged", "refetch"][i % 2], fmt="thd", data_seed=int(rng.integers(1 << 30))))
+    return cases
+
+
+def kv_fragments(rp) -> np.ndarray:
+    """int [t*kvp]: dK|dV fragments every local K/V view row receives = (destination, chunk) pairs that
+    fetched it, counted with the varlen entries that read it at that destination."""
+    from libra_megatron.plan.exchange import kv_rows
+
+    heads, kr = rp.heads, rp.kv_route
+    rows = rp.local_tokens * heads.kv_pieces_per_token
+    counts = np.zeros(rows, dtype=np.int64)
+    for m in range(heads.num_chunks):
+        np.add.at(counts, kv_rows(kr.send_index, heads, m), 1)
+    return counts
+
+
+def run_precision_case(rank: int, case: dict, group=None) -> dict:
+    """FlashAttention's rule per tensor: max|libra - ref64| <= 2 * max|same-dtype single-device - ref64|.
+
+    ref64: fp64 attention of the *rounded* inputs (input rounding is not the operator's error); the
+    baseline is the dense per-sample reference run entirely in the low dtype on one device.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from libra_megatron.runtime import libra_attn_func
+    from libra_megatron.testing.reference import reference_forward_backward, shard_tokens
+
+    layout, plan = _build(case)
+    rp = plan.for_rank(rank)
+    p, c = divmod(rank, case["cp"])
+    dtype = getattr(torch, case["dtype"])
+    full = [x.to(dtype) for x in _inputs(case, p, layout)]
+    ref = reference_forward_backward(*full, case["segs"][p])  # fp64 of the rounded inputs
+    base = reference_forward_backward(*full, case["segs"][p], dtype=dtype)
+    q, k, v = (shard_tokens(x, layout, c).requires_grad_(True) for x in full[:3])
+    out = libra_attn_func(q, k, v, rp, group or dist.group.WORLD, backend="torch", save_mode=case["save_mode"])
+    out.backward(shard_tokens(full[3], layout, c))
+    got = (out.detach(), q.grad, k.grad, v.grad)
+    err = [float((g.double() - shard_tokens(r, layout, c)).abs().max()) for g, r in zip(got, ref)]
+    base_err = [float((b.double() - r).abs().index_select(0, torch.as_tensor(layout.local_to_global(c))).max())
+                for b, r in zip(base, ref)]
+    return dict(err=err, base_err=base_err, max_fragments=int(kv_fragments(rp).max()),
+                dtypes_ok=all(x.dtype == dtype for x in got))
+
+
+def run_precision_cases(rank: int, cases, with_injected_bug: bool) -> dict:
+    """All precision cases; then (optionally) the first one again with dK|dV sums in the input dtype, the
+    bug fp32 accumulation fixes -- the rule must catch it (the test can fail)."""
+    out = dict(ok=[run_precision_case(rank, c) for c in cases], bug=None)
+    if with_injected_bug:
+        from libra_megatron.runtime import libra_attn
+
+        saved = libra_attn._accumulation_dtype
+        libra_attn._accumulation_dtype = lambda dtype: dtype
+        try:
+            out["bug"] = run_precision_case(rank, cases[0])
+        finally:
+            libra_attn._accumulation_dtype = saved
+    return out
+
+
+# ====================================================================================== collectives
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast", "barrier",
+                "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "send", "recv", "isend", "irecv",
+                "all_to_all", "all_to_all_single", "batch_isend_irecv")
+_HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "cpu", "numpy")
+
+
+class CallCounter:
+    """Counts torch.distributed collectives and Tensor host reads while active (patched in this process)."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+
+        self.counts = {}
+        self._patched = []
+        for name in _COLLECTIVES:
+            if hasattr(dist, name):
+                self._wrap(dist, name, name)
+        for name in _HOST_READS:
+            self._wrap(torch.Tensor, name, "host:" + name)
+        self.active = False
+
+    def _wrap(self, owner, name, label):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if self.active:
+                self.counts[label] = self.counts.get(label, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+        self._patched.append((owner, name, original))
+
+    def measure(self, fn):
+        self.counts, self.active = {}, True
+        try:
+            fn()
+        finally:
+            self.active = False
+        return dict(self.counts)
+
+    def restore(self):
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+
+
+def run_collective_counts(rank: int, case: dict) -> dict:
+    """Calls 1..3 with one plan, then a new plan object of the same content, then a new plan: what each
+    call (forward + backward) issued. Then a cross-rank dtype mismatch and a save-mode mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    from libra_megatron.plan.errors import PlanError
+    from libra_megatron.runtime import libra_attn_func
+
+    layout, plan = _build(case)
+    p, c = divmod(rank, case["cp"])
+    qg, kg, vg, dog = (x.to(torch.float32) for x in _inputs(case, p, layout))
+    from libra_megatron.testing.reference import shard_tokens
+
+    def call(rp, dtype=torch.float32, save_mode="arranged"):
+        q, k, v = (shard_tokens(x, layout, c).to(dtype).requires_grad_(True) for x in (qg, kg, vg))
+        libra_attn_func(q, k, v, rp, dist.group.WORLD, backend="torch", save_mode=save_mode).backward(
+            shard_tokens(dog, layout, c).to(dtype))
+
+    counter = CallCounter()
+    try:
+        same = [counter.measure(lambda: call(plan.for_rank(rank))) for _ in range(3)]
+        _, replanned = _build(case)  # same content, new objects: the call key is already verified
+        same.append(counter.measure(lambda: call(replanned.for_rank(rank))))
+        other = dict(case, assign="home" if case["assign"] != "home" else "random")
+        _, new_plan = _build(other)
+        fresh = counter.measure(lambda: call(new_plan.for_rank(rank)))
+    finally:
+        counter.restore()
+    errors = {}
+    for name, kwargs in (("dtype", dict(dtype=torch.float32 if rank == 0 else torch.float64)),
+                         ("save_mode", dict(save_mode="refetch" if rank == 1 else "arranged"))):
+        _, mismatch_plan = _build(dict(case, assign_seed=case["assign_seed"] + 1 + len(errors)))
+        try:
+            call(mismatch_plan.for_rank(rank), **kwargs)
+            errors[name] = "no error"
+        except PlanError as exc:
+            errors[name] = f"PlanError: {exc}"
+    return dict(same=same, fresh=fresh, errors=errors)

@@ -1,28 +1,36 @@
-"""The prepared GPU calibration script runs end to end on CPU (--dry-run) and writes the simulator's JSON."""
+"""The prepared device check runs end to end on CPU (--dry-run): every section, JSON + text results."""
 import json
 import os
 import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory"}
 
 
-def test_calibrate_dry_run_writes_schema_with_exact_pair_counts(tmp_path):
-    out = tmp_path / "cal.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/gpu/calibrate.py"), "--dry-run",
-                           "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(out.read_text())
-    assert set(data) == {"device", "head_dim", "entries"} and isinstance(data["device"], str)
-    assert data["head_dim"] == 8
-    grid = {(e["block_tokens"], e["heads"]) for e in data["entries"]}
-    assert grid == {(8, 1), (8, 2), (16, 1), (16, 2)}
-    for e in data["entries"]:
+def test_device_check_dry_run_writes_every_section(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks/gpu/run_all.sh"), "--dry-run", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["dry_run"] is True and set(results["sections"]) == SECTIONS
+    sections = {k: v["result"] for k, v in results["sections"].items() if v["status"] == "ok"}
+    assert set(sections) == SECTIONS, {k: v.get("error") for k, v in results["sections"].items()}
+    assert sections["backends"]["torch"]["status"] == "ok"  # exact backend meets the rule in bf16
+    assert sections["backends"]["torch_flash"]["status"] == "unavailable"  # and says why on CPU
+    for mode in ("arranged", "refetch"):
+        assert sections["memory"][mode]["saved_equals_predicted"], sections["memory"][mode]
+    pool = sections["straggler"]["pools"][0]
+    assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
+    for name in ("summary.txt", "device.txt", "log.txt"):
+        assert (out / name).stat().st_size > 0
+
+    table = json.loads((out / "calibration.json").read_text())
+    assert set(table) == {"device", "head_dim", "entries"} and table["head_dim"] == 8
+    assert {(e["block_tokens"], e["heads"]) for e in table["entries"]} == {(8, 1), (8, 2), (16, 1), (16, 2)}
+    for e in table["entries"]:
         n = max(1, 32 // e["block_tokens"])  # dry run: 32 tokens per call
-        assert e["pairs"] == n * e["block_tokens"] * (e["block_tokens"] + 1) // 2  # per head (sim/cost.py)
-        assert e["seconds"] > 0
-    assert "P=1 operator overhead" in proc.stdout
+        assert e["pairs"] == n * e["block_tokens"] * (e["block_tokens"] + 1) // 2 and e["seconds"] > 0
     from libra_megatron.sim.cost import CalibrationTable
 
-    table = CalibrationTable.from_json(str(out))  # the simulator accepts it
-    assert table.head_dim == 8 and table.heads == (1, 2)
+    assert CalibrationTable.from_json(str(out / "calibration.json")).heads == (1, 2)  # the simulator reads it

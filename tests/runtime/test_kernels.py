@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from libra_megatron.config import KernelBackendName
-from libra_megatron.runtime import kernels
+from libra_megatron.runtime.kernels import torch_ref
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, varlen_bwd, varlen_fwd
 
 
@@ -28,11 +28,11 @@ def _dense_entry(q, k, v, scale):
     row_tile=st.sampled_from([2, 3, 256]),
 )
 def test_torch_varlen_fwd_bwd_match_dense_reference_per_entry(lens, heads, dtype, seed, row_tile):
-    saved_tile, kernels.ROW_TILE = kernels.ROW_TILE, row_tile  # small tiles exercise the row tiling
+    saved_tile, torch_ref.ROW_TILE = torch_ref.ROW_TILE, row_tile  # small tiles exercise the row tiling
     try:
         _check_against_dense(lens, heads, dtype, seed)
     finally:
-        kernels.ROW_TILE = saved_tile
+        torch_ref.ROW_TILE = saved_tile
 
 
 def _check_against_dense(lens, heads, dtype, seed):

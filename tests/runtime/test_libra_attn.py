@@ -8,7 +8,7 @@ import pytest
 
 from libra_megatron.testing.dist import run_distributed
 
-from .cases import HEAD_CONFIGS, make_cases, run_suite, trace_segments
+from .cases import HEAD_CONFIGS, make_cases, make_precision_cases, run_suite, trace_segments
 
 CASES_PER_WORLD = {2: 10, 4: 10, 8: 6}
 TOL = {"float64": 1e-10, "float32": 2e-5}
@@ -40,14 +40,17 @@ def _suite(world_size):
         ulysses = _ulysses_cases(world_size) if world_size in (2, 4) else []
         halves = make_cases(world_size // 2, seed=2000 + world_size, count=4) if world_size == 4 else []
         subpool = list(zip(halves[0::2], halves[1::2]))  # (pool 0 case, pool 1 case) pairs
-        results = run_distributed(run_suite, world_size, libra, stale, ulysses, subpool, timeout=150)
-        _RESULTS[world_size] = (libra, stale, ulysses, results, subpool)
+        precision = make_precision_cases(world_size, seed=3000 + world_size)
+        collective = dict(libra[1], dtype="float32") if world_size == 4 else None
+        results = run_distributed(run_suite, world_size, libra, stale, ulysses, subpool, precision, collective,
+                                  timeout=240)
+        _RESULTS[world_size] = (libra, stale, ulysses, results, subpool, precision)
     return _RESULTS[world_size]
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placements(world_size):
-    cases, _, _, results, _ = _suite(world_size)
+    cases, _, _, results, _, _ = _suite(world_size)
     for i, case in enumerate(cases):
         for rank, res in enumerate(results):
             r = res["libra"][i]
@@ -58,7 +61,7 @@ def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placemen
 
 
 def test_two_pools_on_subgroups_run_different_plans_concurrently():
-    _, _, _, results, subpool = _suite(4)
+    _, _, _, results, subpool, _ = _suite(4)
     for i, pair in enumerate(subpool):
         for rank, res in enumerate(results):
             case, r = pair[rank // 2], res["subpool"][i]
@@ -68,7 +71,7 @@ def test_two_pools_on_subgroups_run_different_plans_concurrently():
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
-    cases, _, _, results, _ = _suite(world_size)
+    cases, _, _, results, _, _ = _suite(world_size)
     for i, case in enumerate(cases):
         for rank, res in enumerate(results):
             r = res["libra"][i]
@@ -81,6 +84,7 @@ def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
                 assert (got.get("q_bwd", 0), got.get("kv_bwd", 0), got.get("o_bwd", 0)) == (bq, bkv, bq), (i, rank)
             else:
                 assert "q_bwd" not in got and r["saved_bytes"] > 0
+            assert r["saved_bytes"] == r["saved_predicted"], (i, rank, case["save_mode"])  # plan.memory
         total_kv = sum(res["libra"][i]["bytes"].get("kv", 0) for res in results)
         assert total_kv == sum(res["libra"][i]["bytes"].get("dkv", 0) for res in results)
 
@@ -98,7 +102,7 @@ def test_cases_cover_the_required_grid():
 
 
 def test_stale_or_mismatched_plan_raises_plan_error_on_every_rank():
-    _, stale, _, results, _ = _suite(4)
+    _, stale, _, results, _, _ = _suite(4)
     expect = {"fingerprint": "fingerprints differ", "tokens": "local token count", "heads": "query heads"}
     for i, case in enumerate(stale):
         for rank, res in enumerate(results):
@@ -109,8 +113,51 @@ def test_stale_or_mismatched_plan_raises_plan_error_on_every_rank():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ulysses_matches_reference(world_size):
-    _, _, cases, results, _ = _suite(world_size)
+    _, _, cases, results, _, _ = _suite(world_size)
     for i, case in enumerate(cases):
         for rank, res in enumerate(results):
             errs = res["ulysses"][i]
             assert max(errs) <= 1e-10, (case, rank, errs)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_bf16_and_fp16_meet_flash_attention_rule_with_many_kv_fragments(world_size):
+    """out, dq, dk, dv: max|err vs fp64| <= 2 x that of single-device attention in the same dtype, where
+    a K/V row receives >= 8 dK|dV fragments (destinations x chunks sharing a kv head)."""
+    _, _, _, results, _, cases = _suite(world_size)
+    for i, case in enumerate(cases):
+        assert max(res["precision"]["ok"][i]["max_fragments"] for res in results) >= 8, case
+        for rank, res in enumerate(results):
+            r = res["precision"]["ok"][i]
+            assert r["dtypes_ok"], (case["dtype"], rank)
+            for name, err, base in zip(("out", "dq", "dk", "dv"), r["err"], r["base_err"]):
+                assert err <= 2 * base, f"{case['dtype']} P={case['P']} CP={case['cp']} rank {rank} {name}: " \
+                                        f"error {err:.3g} > 2 x same-dtype single-device error {base:.3g}"
+
+
+def test_the_precision_rule_catches_dk_dv_sums_in_the_input_dtype():
+    _, _, _, results, _, cases = _suite(4)
+    ratios = [max(e / b for e, b in zip(res["precision"]["bug"]["err"][2:], res["precision"]["bug"]["base_err"][2:]))
+              for res in results]
+    assert max(ratios) > 2, f"bf16 accumulation of dK|dV fragments went unnoticed (ratios {ratios})"
+
+
+def test_a_verified_plan_costs_no_collective_and_no_host_read_per_call():
+    _, _, _, results, _, _ = _suite(4)
+    for rank, res in enumerate(results):
+        calls = res["collectives"]
+        first, later = calls["same"][0], calls["same"][1:]
+        assert first.get("all_gather") == 1, (rank, first)  # the one verification gather
+        assert first.get("host:tolist", 0) >= 1, first  # ... whose table is read on the host: the counter works
+        for counts in later:  # calls 2, 3 and a re-planned object of the same content
+            extra = {k: v for k, v in counts.items() if k != "all_to_all_single"}
+            assert extra == {} and counts.get("all_to_all_single", 0) > 0, (rank, counts)
+        assert calls["fresh"].get("all_gather") == 1, (rank, calls["fresh"])  # a new plan is verified again
+
+
+def test_cross_rank_dtype_or_save_mode_mismatch_raises_plan_error_on_every_rank():
+    _, _, _, results, _, _ = _suite(4)
+    for name, bad_rank in (("dtype", 0), ("save_mode", 1)):
+        for rank, res in enumerate(results):
+            msg = res["collectives"]["errors"][name]
+            assert msg.startswith("PlanError") and "fingerprints differ" in msg and f"rank {bad_rank}" in msg, msg

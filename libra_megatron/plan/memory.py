@@ -1,0 +1,74 @@
+"""Activation memory of the Libra operator, predicted from a pool's ExchangePlan (numpy only, no torch).
+
+What ``runtime.libra_attn_func`` keeps alive for backward, per rank and per transformer layer (one call):
+
+    arranged  every chunk m < M keeps the destination-side buffers it computed on:
+              Q and O (nq rows of qp heads), K|V (nkv rows of 2*kp heads) and lse (qp x nq, fp32)
+                  bytes = M * (2*nq*qp*d*e + nkv*2*kp*d*e + nq*qp*l)
+    refetch   only lse per chunk, plus references to the local q, k, v, out (t tokens)
+                  bytes = M * nq*qp*l + t*(2*hq + 2*hkv)*d*e
+
+nq / nkv = Q / KV units the rank hosts (arranged rows per chunk), t = local tokens, e = element bytes of
+q/k/v, l = lse bytes (4; 8 for fp64 inputs). ``runtime`` reports the same quantity as
+``ExchangeStats.saved_bytes``; tests assert equality. ``choose_save_mode`` is the ``save_mode=auto`` rule:
+it decides from pool-wide numbers only, so every rank of the pool decides the same.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import numpy as np
+
+from ..config import SaveModeName
+
+__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "choose_save_mode"]
+
+GIB = float(1 << 30)
+
+
+def hosted_units(exchange) -> tuple:
+    """(nq, nkv): int64 [W] Q units and KV units every worker hosts (rows of its arranged buffers per chunk)."""
+    W = exchange.num_workers
+    q, kv = exchange.extra["q_pieces"], exchange.extra["kv_pieces"]
+    nq = np.bincount(q.dst, weights=q.count, minlength=W).astype(np.int64)
+    nkv = np.bincount(kv.dst, weights=kv.count, minlength=W).astype(np.int64)
+    return nq, nkv
+
+
+def _lse_bytes(elem_bytes: int) -> int:
+    return 8 if elem_bytes == 8 else 4
+
+
+def saved_bytes_per_rank(exchange, heads, local_tokens: int, mode) -> np.ndarray:
+    """int64 [W]: bytes rank w keeps for backward in one layer under ``mode`` (arranged | refetch)."""
+    mode = SaveModeName(mode)
+    nq, nkv = hosted_units(exchange)
+    M, d, e = heads.num_chunks, heads.head_dim, heads.elem_bytes
+    qp, kp, lse = heads.q_piece, heads.kv_piece, _lse_bytes(heads.elem_bytes)
+    lse_bytes = M * nq * qp * lse
+    if mode is SaveModeName.ARRANGED:
+        return M * (2 * nq * qp * d * e + nkv * 2 * kp * d * e) + lse_bytes
+    if mode is SaveModeName.REFETCH:
+        local = local_tokens * (2 * heads.num_q_heads + 2 * heads.num_kv_heads) * d * e
+        return lse_bytes + local
+    raise ValueError(f"saved_bytes_per_rank: mode must be arranged or refetch, got {mode.value}")
+
+
+def predicted_saved_bytes(exchange, heads, local_tokens: int) -> Dict[str, np.ndarray]:
+    """{"arranged": int64 [W], "refetch": int64 [W]} bytes per rank per layer."""
+    return {m.value: saved_bytes_per_rank(exchange, heads, local_tokens, m)
+            for m in (SaveModeName.ARRANGED, SaveModeName.REFETCH)}
+
+
+def choose_save_mode(mode, arranged_bytes_per_rank: np.ndarray, budget_gb: float, num_layers: int) -> SaveModeName:
+    """Resolve ``save_mode``: ``auto`` keeps arranged tensors iff the pool's worst rank fits the budget.
+
+    arranged_bytes_per_rank: int64 [W] per layer (``saved_bytes_per_rank(..., "arranged")``);
+    budget_gb: GiB for one microbatch over ``num_layers`` layers. Pool-wide inputs: same answer on every rank.
+    """
+    mode = SaveModeName(mode)
+    if mode is not SaveModeName.AUTO:
+        return mode
+    worst = int(np.max(arranged_bytes_per_rank, initial=0))
+    fits = worst * max(1, int(num_layers)) <= budget_gb * GIB
+    return SaveModeName.ARRANGED if fits else SaveModeName.REFETCH
