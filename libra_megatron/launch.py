@@ -1,36 +1,53 @@
 """Fork-free Megatron-LM launcher: ``python -m libra_megatron.launch [launcher flags] <pretrain_gpt flags>``.
 
-What it does, in order:
+What it does, in order, all before ``torch.distributed`` is initialised:
 
-1. finds Megatron-LM (``--megatron-lm-path`` or the ``MEGATRON_LM_PATH`` environment variable; the flag
-   wins) and checks it holds the program (default ``pretrain_gpt.py``) and ``megatron/training``;
-2. expands ``--megatron-args-file FILE`` (repeatable; shell-quoted tokens, ``#`` comments) in place, so a
-   model config in ``configs/`` plus per-run flags form one Megatron command line;
-3. puts Megatron-LM and this repository's root on ``sys.path`` (the ``patches/`` package lives at the
-   repository root), verifies and installs every patch point (``patches.install_all``) with a fresh
-   ``LibraHooks``;
-4. runs the program as ``__main__`` with ``sys.argv = [program, <remaining flags>]``: Megatron-LM's own
-   ``parse_args`` then sees the ``--libra-*`` flags through the chained ``extra_args_provider``.
+1. expands ``--megatron-args-file FILE`` (repeatable; shell-quoted tokens, ``#`` comments) in place, so a
+   model config in ``configs/`` plus per-run flags form one Megatron command line. Relative paths given to
+   ``--megatron-args-file`` and ``--libra-config`` *inside* an args file resolve against that file's folder;
+   on the command line they resolve against the working directory (``--megatron-args-file`` also falls back
+   to the repository root). Every other flag (``--data-path``, ``--save``, ...) is passed on unchanged, so
+   relative paths resolve against the working directory, as with ``pretrain_gpt.py`` itself;
+2. finds Megatron-LM: ``--megatron-lm-path``, else ``libra_megatron.megatron_lm.get_megatron_lm()``
+   (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone);
+3. checks that CUDA is available (the CPU test harness, ``scripts/cpu_pretrain.sh``, emulates it);
+4. imports Megatron-LM's training package (a missing Python package is named, with its pip command);
+5. parses the command line with Megatron-LM's own ``parse_args`` (with the ``--libra-*`` flags) and runs
+   every Libra start-up check on what Megatron will use, defaults included
+   (``libra_megatron.megatron.hooks.validate_run``);
+6. verifies and installs every patch point (``libra_megatron.patches.install_all``) with a fresh
+   ``LibraHooks`` and runs the program (default ``pretrain_gpt.py``) as ``__main__`` with
+   ``sys.argv = [program, <remaining flags>]``.
 
-Launcher flags are consumed here and never reach Megatron; every other flag is passed through unchanged.
-Nothing else about the program changes: ``torchrun ... -m libra_megatron.launch <your usual flags>
---libra-config configs/libra/256k.yaml`` is the whole integration.
+``--check-only`` stops after step 6 (the patches are verified, then undone): the torchrun scripts run it once,
+with ``WORLD_SIZE`` set, before starting the ranks, so a bad command line is one line, not one per rank
+plus torchrun's report.
+
+Every user error of steps 1-5 is one line, ``libra_megatron.launch: error: ...``, exit status 2
+(``libra_megatron.cli.run_cli``; ``--debug`` or ``LIBRA_DEBUG=1`` shows the traceback). ``--help`` prints
+the launcher's flags, then Megatron-LM's (with ``--libra-*``) when Megatron-LM can be found.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import runpy
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["LaunchPlan", "parse_launch_args", "expand_args_files", "resolve_megatron_lm", "install_hooks", "main"]
+from .cli import add_debug_argument, run_cli
+from .megatron_lm import ENV_MEGATRON_LM_PATH, get_megatron_lm, missing_package_error
 
+__all__ = ["LaunchPlan", "parse_launch_args", "expand_args_files", "resolve_megatron_lm", "import_patches",
+           "import_megatron_training", "check_cuda", "install_hooks", "run_program", "main", "TOOL"]
+
+TOOL = "libra_megatron.launch"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-ENV_MEGATRON_LM_PATH = "MEGATRON_LM_PATH"
 
 
 @dataclass(frozen=True)
@@ -44,23 +61,35 @@ class LaunchPlan:
 
 def _launcher_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m libra_megatron.launch", allow_abbrev=False, add_help=False,
-        description="Run Megatron-LM's pretrain_gpt.py with Libra attached (no fork).",
+        prog=f"python -m {TOOL}", allow_abbrev=False, add_help=False,
+        description="Run Megatron-LM's pretrain_gpt.py with Libra attached (no fork). Every flag not listed "
+                    "here goes to the program unchanged.",
     )
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help, then Megatron-LM's (with the --libra-* flags) when it is found")
     parser.add_argument("--megatron-lm-path", default=None,
-                        help=f"Megatron-LM checkout (tag core_v0.16.x); default ${ENV_MEGATRON_LM_PATH}")
+                        help=f"Megatron-LM checkout (tag core_v0.16.x); default: ${ENV_MEGATRON_LM_PATH}, else the "
+                             f"repository cache / the archive beside the checkout / a shallow clone "
+                             f"(libra_megatron.megatron_lm)")
     parser.add_argument("--megatron-program", default="pretrain_gpt.py",
                         help="program inside Megatron-LM to run (default pretrain_gpt.py)")
     parser.add_argument("--megatron-args-file", action="append", default=[],
-                        help="file of Megatron flags (shell quoting, # comments), expanded in place; repeatable")
-    parser.add_argument("--libra-launch-help", action="help", help="show the launcher flags and exit")
+                        help="file of Megatron flags (shell quoting, # comments), expanded in place; repeatable. "
+                             "Relative --megatron-args-file/--libra-config paths inside it resolve against its "
+                             "folder")
+    parser.add_argument("--check-only", action="store_true",
+                        help="run every start-up check (Megatron-LM, CUDA, flags, patch targets) and exit; the "
+                             "scripts do this once before torchrun (set WORLD_SIZE for the DP-dependent checks)")
+    add_debug_argument(parser)
     return parser
 
 
-def expand_args_files(argv: Sequence[str], _depth: int = 0) -> List[str]:
+# ---------------------------------------------------------------------------------------- args files
+def expand_args_files(argv: Sequence[str], _depth: int = 0, _base: Optional[Path] = None) -> List[str]:
     """Replace each ``--megatron-args-file FILE`` (or ``=FILE``) with the flags read from FILE, in place.
 
     Files may include other files the same way (a run config includes its model config), up to 8 deep.
+    ``_base``: the folder of the file ``argv`` was read from (None: the command line).
     """
     if _depth > 8:
         raise ValueError("--megatron-args-file nesting deeper than 8: a file includes itself?")
@@ -68,54 +97,87 @@ def expand_args_files(argv: Sequence[str], _depth: int = 0) -> List[str]:
     items = list(argv)
     i = 0
     while i < len(items):
-        item = items[i]
-        if item == "--megatron-args-file":
-            if i + 1 >= len(items):
+        flag, value, width = _split_flag(items, i, "--megatron-args-file")
+        if flag:
+            if value is None:
                 raise ValueError("--megatron-args-file needs a file path")
-            out.extend(expand_args_files(read_args_file(items[i + 1]), _depth + 1))
-            i += 2
+            path = _find_args_file(value, _base)
+            out.extend(expand_args_files(read_args_file(path), _depth + 1, path.parent))
+            i += width
             continue
-        if item.startswith("--megatron-args-file="):
-            out.extend(expand_args_files(read_args_file(item.split("=", 1)[1]), _depth + 1))
-        else:
-            out.append(item)
+        out.append(items[i])
         i += 1
     return out
 
 
-def read_args_file(path: str) -> List[str]:
-    """Shell-split the flags in ``path``; ``#`` starts a comment. Relative paths resolve against cwd, then the repo."""
-    candidates = [Path(path), REPO_ROOT / path]
-    found = next((p for p in candidates if p.is_file()), None)
-    if found is None:
-        raise ValueError(f"--megatron-args-file {path}: no such file (also looked in {REPO_ROOT})")
-    return shlex.split(found.read_text(encoding="utf-8"), comments=True)
+def _split_flag(items: List[str], i: int, name: str) -> tuple:
+    """(is ``name``, its value or None, tokens used) for ``name VALUE`` and ``name=VALUE`` at ``items[i]``."""
+    item = items[i]
+    if item == name:
+        return True, (items[i + 1] if i + 1 < len(items) else None), 2
+    if item.startswith(name + "="):
+        return True, item.split("=", 1)[1], 1
+    return False, None, 1
 
 
-def resolve_megatron_lm(flag_value: Optional[str], program: str, environ: Optional[dict] = None) -> tuple:
-    """(Megatron-LM root, program path); ValueError naming the flag / variable when either is missing."""
-    environ = os.environ if environ is None else environ
-    raw = flag_value or environ.get(ENV_MEGATRON_LM_PATH)
-    if not raw:
-        raise ValueError(
-            f"Megatron-LM not found: pass --megatron-lm-path PATH or set {ENV_MEGATRON_LM_PATH} "
-            f"(a checkout of NVIDIA/Megatron-LM at tag core_v0.16.1)"
-        )
-    root = Path(raw).expanduser().resolve()
-    source = "--megatron-lm-path" if flag_value else ENV_MEGATRON_LM_PATH
-    if not (root / "megatron" / "training").is_dir():
-        raise ValueError(f"{source}={raw}: {root}/megatron/training does not exist; not a Megatron-LM checkout")
+def _find_args_file(path: str, base: Optional[Path]) -> Path:
+    """Inside an args file: relative to its folder. On the command line: the cwd, then the repository root."""
+    candidate = Path(path).expanduser()
+    if base is not None:
+        found = candidate if candidate.is_absolute() else base / candidate
+        if not found.is_file():
+            raise ValueError(f"--megatron-args-file {path} (in {base}): no such file {found}")
+        return found.resolve()
+    for found in (candidate, REPO_ROOT / candidate):
+        if found.is_file():
+            return found.resolve()
+    raise ValueError(f"--megatron-args-file {path}: no such file (also looked in {REPO_ROOT})")
+
+
+def read_args_file(path: Path) -> List[str]:
+    """Shell-split the flags in ``path`` (``#`` starts a comment); a relative ``--libra-config`` value becomes
+    a path relative to the file's folder (nested ``--megatron-args-file``: see ``expand_args_files``)."""
+    tokens = shlex.split(Path(path).read_text(encoding="utf-8"), comments=True)
+    out: List[str] = []
+    i = 0
+    while i < len(tokens):
+        flag, value, width = _split_flag(tokens, i, "--libra-config")
+        if flag and value is not None:
+            out.extend(["--libra-config", _against(Path(path).parent, value)])
+        else:
+            out.extend(tokens[i:i + width])
+        i += width
+    return out
+
+
+def _against(folder: Path, value: str) -> str:
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (folder / path).resolve())
+
+
+# ---------------------------------------------------------------------------------------- Megatron-LM
+def resolve_megatron_lm(flag_value: Optional[str], program: str, environ: Optional[dict] = None,
+                        getter: Callable[..., Path] = get_megatron_lm) -> tuple:
+    """(Megatron-LM root, program path): ``--megatron-lm-path`` if given, else ``getter(environ)``
+    (the one getter: ``$MEGATRON_LM_PATH``, the cache, the archive, a clone). ValueError naming the source."""
+    if flag_value:
+        root = Path(flag_value).expanduser().resolve()
+        if not (root / "megatron" / "training").is_dir():
+            raise ValueError(f"--megatron-lm-path={flag_value}: {root}/megatron/training does not exist; "
+                             f"not a Megatron-LM checkout")
+    else:
+        root = Path(getter(os.environ if environ is None else environ))
     program_path = root / program
     if not program_path.is_file():
         raise ValueError(f"--megatron-program {program}: {program_path} does not exist")
     return root, program_path
 
 
-def parse_launch_args(argv: Sequence[str], environ: Optional[dict] = None) -> LaunchPlan:
+def parse_launch_args(argv: Sequence[str], environ: Optional[dict] = None,
+                      getter: Callable[..., Path] = get_megatron_lm) -> LaunchPlan:
     """Split ``argv`` into launcher flags and the Megatron command line."""
-    expanded = expand_args_files(argv)
-    known, rest = _launcher_parser().parse_known_args(expanded)
-    root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program, environ)
+    known, rest = _launcher_parser().parse_known_args(expand_args_files(argv))
+    root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program, environ, getter)
     return LaunchPlan(megatron_lm_path=root, program=program, megatron_argv=list(rest))
 
 
@@ -126,37 +188,120 @@ def _put_first_on_path(path: Path) -> None:
     sys.path.insert(0, text)
 
 
-def install_hooks(megatron_lm_path: Path) -> Any:
-    """Put Megatron-LM and the repository root on sys.path, install all patch points; return the Patcher."""
+def import_megatron_training(megatron_lm_path: Path) -> None:
+    """Megatron-LM first on sys.path, then import its training package by name (the launcher only checks that
+    it imports; ``libra_megatron.megatron`` and the patch points use it); a missing package is named."""
     _put_first_on_path(Path(megatron_lm_path))
-    if not (REPO_ROOT / "patches" / "__init__.py").is_file():
-        raise RuntimeError(
-            f"the patches/ package is not next to libra_megatron ({REPO_ROOT}); run from a checkout of the "
-            f"repository or install it with patches/ packaged"
-        )
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
-    import patches
+    for name in ("megatron.training.arguments", "megatron.training.training"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            raise missing_package_error(err, f"Megatron-LM ({megatron_lm_path})") from err
 
-    from libra_megatron.megatron.hooks import LibraHooks
+
+def import_patches() -> Any:
+    """``libra_megatron.patches`` (the repository's ``patches/`` folder), installed or from this checkout."""
+    try:
+        return importlib.import_module("libra_megatron.patches")
+    except ModuleNotFoundError as err:
+        if err.name != "libra_megatron.patches":
+            raise
+    init = REPO_ROOT / "patches" / "__init__.py"
+    if not init.is_file():
+        raise RuntimeError(f"libra_megatron.patches is not installed and {init} does not exist")
+    spec = importlib.util.spec_from_file_location("libra_megatron.patches", init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_cuda() -> None:
+    """Megatron-LM's pretrain() needs CUDA; say so before any distributed start-up."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device is visible (torch.cuda.is_available() is False): Megatron-LM's pretrain() needs "
+            "GPUs. On a CPU machine, run the test harness: bash scripts/cpu_pretrain.sh <the same flags>"
+        )
+
+
+def install_hooks(megatron_lm_path: Path) -> Any:
+    """Megatron-LM importable, every patch point verified and installed with ``LibraHooks``; the Patcher."""
+    import_megatron_training(megatron_lm_path)
+    patches = import_patches()
+
+    from .megatron.hooks import LibraHooks
 
     return patches.install_all(LibraHooks())
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Entry point of ``python -m libra_megatron.launch`` and ``scripts/pretrain_gpt_libra.py``."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+# ---------------------------------------------------------------------------------------- help
+def _print_help(argv: Sequence[str]) -> None:
+    """The launcher's help, then Megatron-LM's with --libra-* (never clones; a note if it cannot be found)."""
+    _launcher_parser().print_help()
     try:
-        plan = parse_launch_args(argv)
+        known, _ = _launcher_parser().parse_known_args(expand_args_files(argv))
+        root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program,
+                                            getter=lambda env: get_megatron_lm(env, allow_clone=False))
+        import_megatron_training(root)
     except ValueError as err:
-        _launcher_parser().print_usage(sys.stderr)
-        raise SystemExit(f"libra_megatron.launch: error: {err}") from None
+        print(f"\n(Megatron-LM's own flags are not shown: {err})")
+        return
+    print(f"\nMegatron-LM's {program.name} flags ({root}), with the --libra-* flags:\n", flush=True)
+    from .megatron.args import print_megatron_help
+
+    print_megatron_help(program)
+
+
+# ---------------------------------------------------------------------------------------- main
+def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], None]]) -> int:
+    known, _ = _launcher_parser().parse_known_args(argv)
+    if known.help:
+        _print_help(argv)
+        return 0
+    plan = parse_launch_args(argv)
+    check_cuda()
+    import_megatron_training(plan.megatron_lm_path)
+    from .megatron.args import parse_megatron_args
+    from .megatron.hooks import validate_run
+
+    validate_run(parse_megatron_args(plan.program, plan.megatron_argv))
     patcher = install_hooks(plan.megatron_lm_path)
+    if known.check_only:
+        patcher.undo()
+        print(f"{TOOL}: start-up checks passed (Megatron-LM {plan.megatron_lm_path}, world size "
+              f"{os.environ.get('WORLD_SIZE', '1')})", file=sys.stderr, flush=True)
+        return 0
+    if on_megatron_ready is not None:
+        on_megatron_ready(plan)
     if os.environ.get("RANK", "0") == "0":
-        print(f"libra_megatron.launch: verified and installed {patcher.num_replaced} Megatron-LM attributes "
+        print(f"{TOOL}: verified and installed {patcher.num_replaced} Megatron-LM attributes "
               f"({plan.megatron_lm_path}); running {plan.program.name}", file=sys.stderr, flush=True)
+    run_program(plan)
+    return 0
+
+
+def run_program(plan: LaunchPlan) -> None:
+    """The program as ``__main__``; a package it imports lazily that is missing is named in one line."""
     sys.argv = [str(plan.program)] + plan.megatron_argv
-    runpy.run_path(str(plan.program), run_name="__main__")
+    try:
+        runpy.run_path(str(plan.program), run_name="__main__")
+    except ModuleNotFoundError as err:
+        raise missing_package_error(err, f"Megatron-LM's {plan.program.name}") from err
+
+
+def main(argv: Optional[Sequence[str]] = None, *,
+         on_megatron_ready: Optional[Callable[[LaunchPlan], None]] = None) -> None:
+    """Entry point of ``python -m libra_megatron.launch`` and ``scripts/pretrain_gpt_libra.py``.
+
+    ``on_megatron_ready(plan)`` runs after the patch points are installed and before the program (the CPU
+    test harness applies its Megatron-level shims there).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    run_cli(TOOL, lambda a: _main(a, on_megatron_ready), args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ Nothing of Megatron-LM is committed: the cache folder is in ``.gitignore``. Unpa
 under a file lock into a temporary folder that is renamed into place, so concurrent callers never see a
 half-written tree. Failure raises ``MegatronLMNotFound`` (a ``ValueError``) saying what was tried.
 
+Megatron-LM's Python dependencies are the ``megatron-lm`` extra of ``setup.py`` (pinned; installed by
+``scripts/setup_env.sh``). ``missing_package_error`` turns the ``ModuleNotFoundError`` of an import of
+Megatron-LM into a ``MegatronLMDependencyMissing`` that names the package to install.
+
 Command line (for shell scripts): ``python -m libra_megatron.megatron_lm`` prints the path.
 Pure Python: this module locates files and never imports megatron.
 """
@@ -29,8 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["get_megatron_lm", "check_megatron_lm_tree", "MegatronLMNotFound", "MEGATRON_LM_TAG",
-           "ENV_MEGATRON_LM_PATH", "cache_dir", "archive_path"]
+__all__ = ["get_megatron_lm", "check_megatron_lm_tree", "MegatronLMNotFound", "MegatronLMDependencyMissing",
+           "missing_package_error", "MEGATRON_LM_TAG", "ENV_MEGATRON_LM_PATH", "cache_dir", "archive_path"]
 
 MEGATRON_LM_TAG = "core_v0.16.1"
 ENV_MEGATRON_LM_PATH = "MEGATRON_LM_PATH"
@@ -42,6 +46,30 @@ _READY_MARKER = ".libra-megatron-lm-ready"
 
 class MegatronLMNotFound(ValueError):
     """No usable Megatron-LM tree: none of the sources in the module docstring worked."""
+
+
+class MegatronLMDependencyMissing(ValueError):
+    """Megatron-LM imports a Python package that is not installed (an environment problem, not a patch one)."""
+
+
+# import name -> distribution name, where they differ
+_PIP_NAMES = {"yaml": "pyyaml", "google": "protobuf", "PIL": "pillow", "sklearn": "scikit-learn"}
+
+
+def missing_package_error(err: ModuleNotFoundError, what: str = "Megatron-LM") -> ValueError:
+    """The one-line error for ``err`` raised while importing ``what``.
+
+    A missing third-party package becomes ``MegatronLMDependencyMissing`` naming it and the pip command;
+    a missing ``megatron.*`` module means the tree itself is incomplete (``MegatronLMNotFound``).
+    """
+    name = (err.name or str(err)).split(".")[0]
+    if name == "megatron":
+        return MegatronLMNotFound(f"{what} is incomplete or not on sys.path: {err}")
+    package = _PIP_NAMES.get(name, name)
+    return MegatronLMDependencyMissing(
+        f"{what} needs the Python package '{package}' (pip install {package}; "
+        f"`pip install -e .[megatron-lm]` installs every package Megatron-LM imports, pinned)"
+    )
 
 
 def cache_dir(repo_root: Path = REPO_ROOT) -> Path:

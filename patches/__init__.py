@@ -5,8 +5,9 @@ Each patch point is its own module with the ``TargetSpec`` it verifies before re
 ``install_all(hooks)`` installs every point against a hooks object (``libra_megatron.megatron.hooks``
 provides ``LibraHooks``) and returns the ``Patcher`` whose ``undo()`` restores Megatron.
 
-This directory is a top-level package of the repository (not inside ``libra_megatron``):
-``libra_megatron.launch`` puts the repository root on ``sys.path`` to import it.
+The folder sits at the top of the repository, one module per patch point, and installs as
+``libra_megatron.patches`` (``package_dir`` in ``setup.py``); it never installs as a top-level ``patches``.
+From a checkout that is not installed, ``libra_megatron.launch.import_patches`` loads it under that name.
 """
 from __future__ import annotations
 

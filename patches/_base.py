@@ -11,7 +11,9 @@ verified against what we read in Megatron-LM ``core_v0.16.1``:
 
 Any mismatch raises ``PatchTargetChanged`` naming the target, what we expected, what we found and the
 version we support, so an upgraded Megatron-LM fails at start-up instead of silently training without
-Libra. There is no switch to skip the checks: a changed target needs a reviewed patch.
+Libra. There is no switch to skip the checks: a changed target needs a reviewed patch. A target module that
+cannot be imported because a *third-party* package is missing is not a changed target: that raises
+``MegatronLMDependencyMissing`` naming the package (``libra_megatron.megatron_lm.missing_package_error``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, List, Tuple
+
+from libra_megatron.megatron_lm import missing_package_error
 
 __all__ = [
     "PatchTargetChanged",
@@ -70,6 +74,10 @@ def resolve_target(spec: TargetSpec) -> Callable[..., Any]:
     """Import ``spec.module``, fetch ``spec.attr`` and verify its signature and source; return it."""
     try:
         module = importlib.import_module(spec.module)
+    except ModuleNotFoundError as err:
+        if err.name and not _is_module_or_parent(err.name, spec.module):
+            raise missing_package_error(err) from err  # a dependency of Megatron-LM, not the target, is missing
+        raise PatchTargetChanged(f"patch target module {spec.module} cannot be imported: {err}") from err
     except ImportError as err:
         raise PatchTargetChanged(f"patch target module {spec.module} cannot be imported: {err}") from err
     target = getattr(module, spec.attr, None)
@@ -81,6 +89,10 @@ def resolve_target(spec: TargetSpec) -> Callable[..., Any]:
     _require_params(spec, inspect.unwrap(target))
     require_source_fragments(spec.qualname, inspect.unwrap(target), spec.source_fragments)
     return target
+
+
+def _is_module_or_parent(name: str, module: str) -> bool:
+    return module == name or module.startswith(name + ".")
 
 
 def _require_params(spec: TargetSpec, target: Callable[..., Any]) -> None:

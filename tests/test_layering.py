@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "libra_megatron"
+PATCHES = PACKAGE.parent / "patches"  # installs as libra_megatron.patches (setup.py package_dir)
 
 FRESH_IMPORT = r"""
 import importlib, pkgutil, sys
@@ -34,10 +35,16 @@ def test_plan_and_sim_import_without_torch_or_megatron():
         assert "libra_megatron." + module in proc.stdout
 
 
+def _module_parts(path: Path):
+    if PATCHES in path.parents:
+        return ("libra_megatron", "patches") + path.relative_to(PATCHES).with_suffix("").parts
+    return path.relative_to(PACKAGE.parent).with_suffix("").parts
+
+
 def _imports(path: Path):
     """Absolute module names imported by a file (relative imports resolved against its package)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    package = ".".join(_module_parts(path)[:-1])
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -93,6 +100,11 @@ def test_plan_and_sim_import_neither_torch_nor_runtime():
     assert offenders == []
 
 
+def test_patches_resolve_as_libra_megatron_patches():
+    assert "libra_megatron.patches._base" in _imports(PATCHES / "get_batch.py")
+    assert "libra_megatron.megatron_lm.missing_package_error" in _imports(PATCHES / "_base.py")
+
+
 def test_import_scanner_sees_relative_and_absolute_imports():
     # the checker itself must be able to fail: it resolves both import styles
     assert "numpy" in _imports(PACKAGE / "plan" / "workload.py")
@@ -104,7 +116,8 @@ def test_import_scanner_sees_relative_and_absolute_imports():
 def test_nothing_outside_testing_imports_testing():
     """testing/ is the test harness (CPU shims, gloo runner, CPU driver): product code never depends on it."""
     testing = PACKAGE / "testing"
-    product = _files() + sorted((PACKAGE.parent / "patches").rglob("*.py"))  # patches/ ships with the package
+    product = _files() + sorted(PATCHES.rglob("*.py"))  # patches/ ships with the package
+    product += sorted((PACKAGE.parent / "scripts").glob("*.py"))  # and scripts/pretrain_gpt_libra.py is product
     offenders = [
         (str(f.relative_to(PACKAGE.parent)), m)
         for f in product

@@ -10,10 +10,14 @@ the YAML shows what actually ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
+import sys
 from dataclasses import fields
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
 
 from ..config import (
     KernelBackendName,
@@ -28,7 +32,8 @@ from ..config import (
     flag_name,
 )
 
-__all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "CONFIG_FILE_NAME"]
+__all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "parse_megatron_args",
+           "print_megatron_help", "CONFIG_FILE_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,25 +134,43 @@ def libra_config_from_args(args: Any) -> LibraConfig:
     """Defaults < YAML (``--libra-config``) < ``--libra-*`` flags < ablations; validated against the model/run.
 
     Reads ``num_attention_heads``, ``num_query_groups`` (only with ``group_query_attention``),
-    ``data_parallel_size`` (else world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``,
-    ``micro_batch_size`` and ``global_batch_size`` from ``args``. Raises ValueError naming the flag the
-    user gave, or the YAML key and its ``file:line`` for a value read from ``--libra-config``.
+    ``tensor_model_parallel_size`` (the operator sees each TP rank's heads), ``data_parallel_size`` (else
+    world_size / (TP*PP*CP)), ``context_parallel_size``, ``seq_length``, ``micro_batch_size`` and
+    ``global_batch_size`` from ``args``. Raises ValueError naming the flag the user gave, or the YAML key and
+    its ``file:line`` for a value read from ``--libra-config``.
     """
     path = getattr(args, "libra_config", None)
     base = LibraConfig.from_yaml(path, flag="--libra-config") if path is not None else LibraConfig()
     config = base.replace(**_apply_ablations(args, _flag_overrides(args)))
     _check_packing(config)
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    heads, groups, tp = _heads_per_tensor_parallel_rank(args)
     gbs = getattr(args, "global_batch_size", None)
-    return config.validate(
-        num_attention_heads=int(args.num_attention_heads),
-        num_query_groups=int(groups) if groups else None,
-        data_parallel_size=_data_parallel_size(args),
-        context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
-        seq_length=getattr(args, "seq_length", None),
-        micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
-        global_batch_size=int(gbs) if gbs is not None else None,
-    )
+    try:
+        return config.validate(
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            data_parallel_size=_data_parallel_size(args),
+            context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
+            seq_length=getattr(args, "seq_length", None),
+            micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
+            global_batch_size=int(gbs) if gbs is not None else None,
+        )
+    except ValueError as err:
+        if tp == 1:
+            raise
+        raise ValueError(f"{err} (heads per tensor-parallel rank: --num-attention-heads "
+                         f"{args.num_attention_heads} / --tensor-model-parallel-size {tp})") from err
+
+
+def _heads_per_tensor_parallel_rank(args: Any) -> tuple:
+    """(query heads, kv groups or None, TP) of one TP rank: what the Libra operator plans over."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    hq = int(args.num_attention_heads)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    for name, count in (("--num-attention-heads", hq), ("--num-query-groups", groups)):
+        if count and int(count) % tp:
+            raise ValueError(f"{name} {count} must be divisible by --tensor-model-parallel-size {tp}")
+    return hq // tp, (int(groups) // tp if groups else None), tp
 
 
 def _check_packing(config: LibraConfig) -> None:
@@ -187,3 +210,38 @@ def _is_rank_zero() -> bool:
     except ImportError:  # pragma: no cover
         return True
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def parse_megatron_args(program: Path, megatron_argv: Sequence[str]) -> argparse.Namespace:
+    """Megatron-LM's own ``parse_args`` (``--libra-*`` added) on ``megatron_argv``, quietly: the launcher's
+    view of what Megatron will use, defaults included, before anything starts.
+
+    Unknown flags are left to the program's real parse (its ``extra_args_provider`` may add some). An
+    argparse error becomes a one-line ValueError carrying argparse's message.
+    """
+    from megatron.training.arguments import parse_args
+
+    err = io.StringIO()
+    saved = sys.argv
+    sys.argv = [str(program)] + list(megatron_argv)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return parse_args(add_libra_args, ignore_unknown_args=True)
+    except SystemExit as exit_:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        raise ValueError(lines[-1].split("error: ", 1)[-1] if lines else f"argparse exited with {exit_.code}")
+    finally:
+        sys.argv = saved
+
+
+def print_megatron_help(program: Path) -> None:
+    """Megatron-LM's ``--help`` for ``program``, with the ``--libra-*`` flags."""
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = [str(program), "--help"]
+    try:
+        with contextlib.suppress(SystemExit):
+            parse_args(add_libra_args)
+    finally:
+        sys.argv = saved

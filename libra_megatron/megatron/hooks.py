@@ -46,7 +46,7 @@ import numpy as np
 
 from ..config import LibraConfig, TokenLayoutKind
 
-__all__ = ["LibraHooks", "check_supported_layout", "carrier_format"]
+__all__ = ["LibraHooks", "check_supported_layout", "validate_run", "carrier_format"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,44 +54,103 @@ GetBatch = Callable[..., tuple]
 _SAMPLE_KEYS = ("tokens", "labels", "loss_mask")
 
 
-def check_supported_layout(args: argparse.Namespace, config: Optional[LibraConfig] = None) -> None:
-    """Reject Megatron settings the Libra path does not implement, naming the flag (ValueError)."""
+def _attention_dropout(args: argparse.Namespace) -> Optional[str]:
+    p = float(getattr(args, "attention_dropout", 0.0) or 0.0)
+    if p > 0:
+        return (f"--attention-dropout {p:g}: Libra's attention runs without dropout (Megatron-LM's default "
+                f"is 0.1 when the flag is not given); pass --attention-dropout 0")
+    return None
+
+
+def _pipeline_stages(args: argparse.Namespace) -> Optional[str]:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     if pp > 2:
-        raise ValueError(
-            f"--pipeline-model-parallel-size {pp}: the Libra batch path needs the step's plan on every "
-            f"stage, and Megatron-LM builds data iterators only on the first and last stage (PP <= 2)"
-        )
-    loader = getattr(args, "dataloader_type", "single")
+        return (f"--pipeline-model-parallel-size {pp}: the Libra batch path needs the step's plan on every "
+                f"stage, and Megatron-LM builds data iterators only on the first and last stage (PP <= 2)")
+    return None
+
+
+def _dataloader(args: argparse.Namespace) -> Optional[str]:
+    loader = getattr(args, "dataloader_type", None) or "single"  # validate_args' default
     if loader not in ("single", "cyclic"):
-        raise ValueError(
-            f"--dataloader-type {loader}: Libra replaces Megatron's 'single'/'cyclic' samplers with its "
-            f"VRSP global-batch sampler; an '{loader}' loader bypasses it"
-        )
+        return (f"--dataloader-type {loader}: Libra replaces Megatron's 'single'/'cyclic' samplers with its "
+                f"VRSP global-batch sampler; an '{loader}' loader bypasses it")
+    return None
+
+
+def _hybrid_cp(args: argparse.Namespace) -> Optional[str]:
     if getattr(args, "hybrid_context_parallel", False):
-        raise ValueError("--hybrid-context-parallel cannot be combined with Libra sequence pools")
+        return "--hybrid-context-parallel cannot be combined with Libra sequence pools"
+    return None
+
+
+def _mla(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "multi_latent_attention", False):
+        return ("--multi-latent-attention: Libra's core attention implements multi-head/grouped-query "
+                "attention (one head dim for q, k and v), not MLA")
+    return None
+
+
+def _reset_position_ids_with_cp(args: argparse.Namespace) -> Optional[str]:
+    """--reset-position-ids selects the THD carrier, whose RoPE megatron-core 0.16 splits per document
+    under its own CP layout, not Libra's token layout: exact only at CP = 1 (see _check_rope_layout)."""
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp > 1 and getattr(args, "reset_position_ids", False):
+        return (f"--reset-position-ids with --context-parallel-size {cp}: megatron-core 0.16 applies "
+                f"per-document (THD) RoPE under its own per-document CP split, not Libra's token layout; drop "
+                f"--reset-position-ids (positions then run over the packed sequence) or use CP=1")
+    return None
+
+
+def _libra_spec(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "spec", None) is None:
+        return ("--spec is not given: Megatron-LM's default layer spec has no Libra attention; pass "
+                "--spec libra_megatron.megatron.spec libra_gpt_spec (each layer built from the run's flags; or "
+                "libra_te_spec, libra_local_spec, libra_local_qk_spec, libra_local_moe_spec)")
+    return None
+
+
+_LAYOUT_RULES = (_attention_dropout, _pipeline_stages, _dataloader, _hybrid_cp, _mla,
+                 _reset_position_ids_with_cp, _libra_spec)
+"""Megatron settings the Libra path cannot run with; each returns the error (naming the flag) or None."""
+
+
+def check_supported_layout(args: argparse.Namespace, config: Optional[LibraConfig] = None) -> None:
+    """Reject Megatron settings the Libra path does not implement, naming the flag (ValueError).
+
+    Works on Megatron's parsed args before or after ``validate_args`` (the launcher calls it before
+    distributed init, ``on_model_parallel_ready`` again on the validated args). Micro-batch size and the
+    --libra-* arithmetic are ``LibraConfig.validate``'s (see ``validate_run``).
+    """
+    for rule in _LAYOUT_RULES:
+        problem = rule(args)
+        if problem:
+            raise ValueError(problem)
     if config is not None:
         _check_rope_layout(args, config)
+
+
+def validate_run(args: argparse.Namespace) -> LibraConfig:
+    """Every start-up check of a Libra run on Megatron's args: layout rules, the effective LibraConfig
+    (YAML < flags < ablations, validated against heads/DP/CP/L/mbs/GBS), and the RoPE/token layout."""
+    from .args import libra_config_from_args
+
+    check_supported_layout(args)
+    config = libra_config_from_args(args)
+    check_supported_layout(args, config)
+    return config
 
 
 def _check_rope_layout(args: argparse.Namespace, config: LibraConfig) -> None:
     """RoPE is applied by megatron-core before core attention; only two position schemes match Libra's layout.
 
-    --reset-position-ids (positions restart in every document) needs the THD carrier, whose RoPE
-    megatron-core 0.16 splits per document under its own CP layout: exact only at CP = 1. Without it
-    (Megatron's default: positions run over the whole packed sequence) the sbhd carrier is used and
-    megatron-core slices the positions zigzag (2*CP chunks), which is Libra's layout only when zigzag.
+    --reset-position-ids (positions restart in every document) needs the THD carrier: CP = 1 only (a layout
+    rule above). Without it (Megatron's default: positions run over the whole packed sequence) the sbhd
+    carrier is used and megatron-core slices the positions zigzag (2*CP chunks), which is Libra's layout
+    only when zigzag.
     """
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    if cp == 1:
-        return
-    if getattr(args, "reset_position_ids", False):
-        raise ValueError(
-            f"--reset-position-ids with --context-parallel-size {cp}: megatron-core 0.16 applies per-document "
-            f"(THD) RoPE under its own per-document CP split, not Libra's token layout; drop "
-            f"--reset-position-ids (positions then run over the packed sequence) or use CP=1"
-        )
-    if config.token_layout is not TokenLayoutKind.ZIGZAG:
+    if cp > 1 and config.token_layout is not TokenLayoutKind.ZIGZAG:
         raise ValueError(
             f"--libra-token-layout {config.token_layout.value} with --context-parallel-size {cp}: megatron-core "
             f"slices RoPE positions zigzag (2*CP chunks); use --libra-token-layout zigzag"
@@ -124,13 +183,11 @@ class LibraHooks:
         """Validate and record the effective config, then create the pool groups (every rank, same order)."""
         from megatron.training import get_args
 
-        from .args import libra_config_from_args, log_and_save_libra_config
+        from .args import log_and_save_libra_config
         from .groups import initialize_pool_groups
 
         args = get_args()
-        check_supported_layout(args)
-        config = libra_config_from_args(args)
-        check_supported_layout(args, config)
+        config = validate_run(args)
         log_and_save_libra_config(config, args, _run_dir(args))
         self.qkv_format = carrier_format(args)
         logger.info("Libra batches use the %s carrier (%s)", self.qkv_format,

@@ -143,7 +143,7 @@ def _start(world_size, config, data_prefix, work):
 
     apply_megatron_cpu_shims()
     import megatron.training.initialize as initialize
-    import patches
+    import libra_megatron.patches as patches
     from megatron.core import parallel_state
     from megatron.training.global_vars import set_global_variables
 
@@ -170,7 +170,7 @@ def _build_and_step(hooks, args, reference: bool) -> dict:
     import gpt_builders
     import megatron.training.training as training
     import pretrain_gpt
-    from patches.get_batch import swap_get_batch
+    from libra_megatron.patches.get_batch import swap_get_batch
 
     from libra_megatron.megatron.attention import LibraCoreAttention
 

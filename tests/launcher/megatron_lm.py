@@ -1,15 +1,52 @@
-"""Helpers for the tests that need a real Megatron-LM checkout (``MEGATRON_LM_PATH``)."""
+"""Helpers for the tests that need Megatron-LM's training code, found by the project's one getter.
+
+``libra_megatron.megatron_lm.get_megatron_lm()`` (``MEGATRON_LM_PATH``, the repository cache, the
+archive beside the checkout, a shallow clone). Under CI (``CI`` set) a getter failure FAILS every such test; outside
+CI (a user's clone with neither that archive nor network) they are skipped with the getter's message.
+"""
+import functools
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+from libra_megatron.megatron_lm import MegatronLMNotFound, get_megatron_lm
+
 REPO = Path(__file__).resolve().parents[2]
-needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout to run these"
-)
+needs_megatron_lm = pytest.mark.usefixtures("megatron_lm_path")  # the fixture is in conftest.py
+
+
+def in_ci(environ=None) -> bool:
+    """True when the ``CI`` variable is set to a true value (CI=true on the project's CI)."""
+    value = (os.environ if environ is None else environ).get("CI", "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+@functools.lru_cache(maxsize=None)
+def _getter_result():
+    """(path, None) or (None, the getter's error), asked once per process (a failed clone is not retried)."""
+    try:
+        return str(get_megatron_lm()), None
+    except MegatronLMNotFound as err:
+        return None, err
+
+
+def _find_megatron_lm() -> str:
+    path, err = _getter_result()
+    if err is not None:
+        raise err
+    return path
+
+
+def megatron_lm_path() -> str:
+    """The Megatron-LM root from the getter; fails under CI, skips elsewhere, when it cannot be had."""
+    path, err = _getter_result()
+    if err is None:
+        return path
+    if in_ci():
+        pytest.fail(f"CI must run every Megatron-LM test, but the getter failed: {err}", pytrace=False)
+    pytest.skip(f"Megatron-LM not available: {err}")
 
 # A tiny Qwen3-shaped model: RoPE, qk-layernorm, GQA, RMSNorm, SwiGLU, no bias, untied embeddings.
 TINY_MODEL_ARGS = [
@@ -27,17 +64,16 @@ TINY_MODEL_ARGS = [
 
 
 def put_megatron_lm_on_path() -> None:
-    """Megatron-LM and the repository root (for ``patches``) at the end of sys.path.
+    """Megatron-LM at the end of sys.path.
 
     Appended, not prepended: ``megatron.core`` then comes from the installed megatron-core 0.16.1 wheel
     (same tag, with its compiled dataset helpers) and ``megatron.training`` from the checkout (``megatron``
-    is a namespace package in both). The launcher prepends instead and lets Megatron-LM compile its helpers.
+    is a namespace package in both). The launcher prepends instead (the CPU harness then reuses the wheel's
+    compiled dataset helpers).
     """
-    path = os.environ.get("MEGATRON_LM_PATH") or MEGATRON_LM_PATH  # read at call time (worker processes)
+    path = os.environ.get("MEGATRON_LM_PATH") or _find_megatron_lm()  # worker processes get the variable
     if path not in sys.path:
         sys.path.append(path)
-    if str(REPO) not in sys.path:
-        sys.path.append(str(REPO))
 
 
 def import_megatron_training():
@@ -46,8 +82,9 @@ def import_megatron_training():
     try:
         import megatron.training.training  # noqa: F401
     except ImportError as err:
-        pytest.fail(f"Megatron-LM at {MEGATRON_LM_PATH} does not import ({err}); its training package needs "
-                    f"six, pydantic and triton: pip install six pydantic triton")
+        from libra_megatron.megatron_lm import missing_package_error
+
+        pytest.fail(f"{missing_package_error(err)} (scripts/setup_env.sh installs them)", pytrace=False)
 
 
 def emulate_hopper_for_argument_validation(monkeypatch) -> None:

@@ -41,7 +41,7 @@ def _start(world_size, save_dir, spec_name, libra_flags, data_prefix):
 
     put_megatron_lm_on_path()
     apply_megatron_cpu_shims()
-    import patches
+    import libra_megatron.patches as patches
     from megatron.core import parallel_state
     import megatron.training.initialize as initialize
     from megatron.training.global_vars import set_global_variables
@@ -103,7 +103,7 @@ def _step(rank, world_size, hooks, args):
     import megatron.training.global_vars as global_vars
     import megatron.training.training as training
     import pretrain_gpt
-    from patches.get_batch import swap_get_batch
+    from libra_megatron.patches.get_batch import swap_get_batch
 
     from libra_megatron.megatron.attention import LibraCoreAttention
     from libra_megatron.megatron.groups import get_pool_group

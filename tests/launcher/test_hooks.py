@@ -13,22 +13,30 @@ from .hooks_workers import broadcast_sample_body
 
 
 def _args(**kw):
-    base = dict(pipeline_model_parallel_size=1, dataloader_type="single", hybrid_context_parallel=False)
+    base = dict(pipeline_model_parallel_size=1, dataloader_type="single", hybrid_context_parallel=False,
+                attention_dropout=0.0, multi_latent_attention=False, spec=["libra_megatron.megatron.spec",
+                                                                           "libra_te_spec"])
     base.update(kw)
     return argparse.Namespace(**base)
 
 
 @pytest.mark.parametrize("kw, pattern", [
-    (dict(pipeline_model_parallel_size=4), r"--pipeline-model-parallel-size 4: .*PP <= 2"),
-    (dict(dataloader_type="external"), r"--dataloader-type external"),
-    (dict(hybrid_context_parallel=True), r"--hybrid-context-parallel"),
+    (dict(pipeline_model_parallel_size=4), r"^--pipeline-model-parallel-size 4: .*PP <= 2"),
+    (dict(dataloader_type="external"), r"^--dataloader-type external"),
+    (dict(hybrid_context_parallel=True), r"^--hybrid-context-parallel"),
+    (dict(attention_dropout=0.1), r"^--attention-dropout 0.1: .*default is 0.1 .*pass --attention-dropout 0$"),
+    (dict(multi_latent_attention=True), r"^--multi-latent-attention: .*not MLA"),
+    (dict(spec=None), r"^--spec is not given: .*--spec libra_megatron.megatron.spec libra_gpt_spec"),
+    (dict(context_parallel_size=2, reset_position_ids=True), r"^--reset-position-ids with --context-parallel-size 2"),
 ])
 def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         check_supported_layout(_args(**kw))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(pipeline_model_parallel_size=2), dict(dataloader_type="cyclic")])
+@pytest.mark.parametrize("kw", [dict(), dict(pipeline_model_parallel_size=2), dict(dataloader_type="cyclic"),
+                                dict(dataloader_type=None), dict(attention_dropout=0.0, hidden_dropout=0.1),
+                                dict(context_parallel_size=1, reset_position_ids=True)])
 def test_supported_layouts_pass(kw):
     check_supported_layout(_args(**kw))
 

@@ -1,6 +1,8 @@
 """Launcher command line, args files, configs and scripts — no Megatron-LM needed."""
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,7 @@ import yaml
 
 from libra_megatron.config import LibraConfig
 from libra_megatron.launch import expand_args_files, parse_launch_args, resolve_megatron_lm
+from libra_megatron.megatron_lm import MegatronLMNotFound, get_megatron_lm
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
@@ -16,14 +19,25 @@ RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
 @pytest.fixture
 def fake_megatron(tmp_path):
     root = tmp_path / "Megatron-LM"
-    (root / "megatron" / "training").mkdir(parents=True)
+    for package in ("megatron/training", "megatron/core"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
     (root / "pretrain_gpt.py").write_text("raise SystemExit('not run in these tests')\n")
     return root
 
 
-def test_missing_megatron_path_names_flag_and_variable():
-    with pytest.raises(ValueError, match=r"--megatron-lm-path PATH or set MEGATRON_LM_PATH"):
-        resolve_megatron_lm(None, "pretrain_gpt.py", environ={})
+def _offline_getter(repo_root):
+    """The project's getter for a clone at ``repo_root`` with no Megatron-LM archive beside it and no network."""
+    return lambda environ: get_megatron_lm(environ, repo_root=repo_root, allow_clone=False)
+
+
+def test_without_flag_the_getter_is_asked_and_its_error_names_what_it_tried(tmp_path):
+    repo = tmp_path / "clone"
+    (repo / "libra_megatron").mkdir(parents=True)
+    (repo / "setup.py").write_text("")
+    with pytest.raises(MegatronLMNotFound,
+                       match=r"MEGATRON_LM_PATH is not set; no archive at .*: set MEGATRON_LM_PATH"):
+        resolve_megatron_lm(None, "pretrain_gpt.py", environ={}, getter=_offline_getter(repo))
 
 
 def test_flag_wins_over_environment(fake_megatron, tmp_path):
@@ -38,8 +52,10 @@ def test_environment_is_used_without_flag(fake_megatron):
 
 
 def test_not_a_megatron_checkout_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match=r"MEGATRON_LM_PATH=.*megatron/training does not exist"):
+    with pytest.raises(MegatronLMNotFound, match=r"MEGATRON_LM_PATH=.*: not a Megatron-LM checkout"):
         resolve_megatron_lm(None, "pretrain_gpt.py", environ={"MEGATRON_LM_PATH": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"--megatron-lm-path=.*megatron/training does not exist"):
+        resolve_megatron_lm(str(tmp_path), "pretrain_gpt.py", environ={})
 
 
 def test_missing_program_is_rejected(fake_megatron):
@@ -77,16 +93,71 @@ def test_missing_args_file_is_an_error():
         expand_args_files(["--megatron-args-file", "nope.args"])
 
 
-@pytest.mark.parametrize("script", ["torchrun_single_node.sh", "torchrun_multi_node.sh", "slurm_libra.sbatch"])
+def test_paths_inside_an_args_file_resolve_against_its_folder_from_any_cwd(tmp_path, monkeypatch):
+    """--megatron-args-file and --libra-config inside a file: its folder; other flags (a user's --data-path)
+    pass unchanged, so they resolve against the working directory like any pretrain_gpt.py flag."""
+    configs = tmp_path / "my-configs"
+    (configs / "models").mkdir(parents=True)
+    (configs / "models" / "m.args").write_text("--num-layers 2\n--libra-config=../knobs.yaml\n")
+    (configs / "run.args").write_text("--megatron-args-file models/m.args\n--libra-config knobs.yaml\n"
+                                      "--data-path data/text_document\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = expand_args_files(["--megatron-args-file", str(configs / "run.args"), "--save", "ckpt"])
+    knobs = str((configs / "knobs.yaml").resolve())
+    assert out == ["--num-layers", "2", "--libra-config", knobs, "--libra-config", knobs,
+                   "--data-path", "data/text_document", "--save", "ckpt"]
+
+
+def test_a_missing_nested_args_file_names_the_including_folder(tmp_path):
+    (tmp_path / "run.args").write_text("--megatron-args-file models/none.args\n")
+    with pytest.raises(ValueError, match=r"--megatron-args-file models/none.args \(in .*\): no such file"):
+        expand_args_files(["--megatron-args-file", str(tmp_path / "run.args")])
+
+
+def test_command_line_args_file_is_found_in_the_cwd_then_in_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = expand_args_files(["--megatron-args-file", "configs/qwen3-8b-256k.args"])
+    assert shipped[shipped.index("--libra-config") + 1] == str(REPO / "configs" / "libra" / "256k.yaml")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "qwen3-8b-256k.args").write_text("--mine 1\n")
+    assert expand_args_files(["--megatron-args-file", "configs/qwen3-8b-256k.args"]) == ["--mine", "1"]
+
+
+@pytest.mark.parametrize("script", ["torchrun_single_node.sh", "torchrun_multi_node.sh", "slurm_libra.sbatch",
+                                    "cpu_pretrain.sh"])
 def test_scripts_are_bash_clean(script):
     result = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-def test_single_node_script_requires_megatron_path(tmp_path):
-    result = subprocess.run(["bash", str(REPO / "scripts" / "torchrun_single_node.sh"), "cfg.args"],
-                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
-    assert result.returncode != 0 and "MEGATRON_LM_PATH" in result.stderr
+def test_multi_node_script_requires_its_rendezvous_variables(tmp_path):
+    result = subprocess.run(["bash", str(REPO / "scripts" / "torchrun_multi_node.sh"), "cfg.args"],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert result.returncode != 0 and "NNODES" in result.stderr
+
+
+def test_torchrun_script_runs_in_the_users_directory_with_the_config_as_given(tmp_path):
+    """No cd into the repository: the user's relative --data-path/--save keep meaning their directory."""
+    recorder = tmp_path / "python"
+    recorder.write_text("#!/bin/sh\necho CALL WORLD_SIZE=$WORLD_SIZE\npwd\nprintf '%s\\n' \"$@\"\n")
+    recorder.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(recorder), "MEGATRON_LM_PATH": "/opt/Megatron-LM"}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "torchrun_single_node.sh"), "configs/qwen3-8b-256k.args",
+                             "--data-path", "data/text", "--save", "ckpt"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    check, run = [call.splitlines()[1:] for call in result.stdout.split("CALL ")[1:]]
+    assert result.stdout.startswith("CALL WORLD_SIZE=8\n")  # --check-only once, for the whole job's world size
+    assert check[1:3] == [str(REPO / "scripts" / "pretrain_gpt_libra.py"), "--check-only"]
+    assert check[-6:] == run[-6:]
+    lines = run
+    assert lines[0] == str(tmp_path)
+    assert lines[lines.index("-m") + 1] == "torch.distributed.run"
+    assert str(REPO / "scripts" / "pretrain_gpt_libra.py") in lines
+    assert lines[-6:] == ["--megatron-args-file", "configs/qwen3-8b-256k.args", "--data-path", "data/text",
+                          "--save", "ckpt"]
 
 
 def _flag(argv, name, cast=int):
@@ -125,3 +196,19 @@ def test_libra_yaml_files_hold_only_known_keys():
     for path in (REPO / "configs" / "libra").glob("*.yaml"):
         data = yaml.safe_load(path.read_text())
         LibraConfig.from_mapping(data["libra"], source=str(path))
+
+
+def test_patches_load_as_libra_megatron_patches_from_a_checkout_that_is_not_installed():
+    """scripts/pretrain_gpt_libra.py from a plain checkout (``-S``: no site-packages, so no installed or editable
+    libra_megatron): the launcher loads patches/ as libra_megatron.patches, never as a top-level 'patches'."""
+    code = (
+        "import sys\n"
+        "from libra_megatron.launch import import_patches\n"
+        "patches = import_patches()\n"
+        "import libra_megatron.patches._base as base\n"
+        "print(patches.__name__, len(patches.PATCH_POINTS), base.__name__, 'patches' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True,
+                            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["libra_megatron.patches", "5", "libra_megatron.patches._base", "False"]

@@ -1,7 +1,8 @@
 """Against the real Megatron-LM (core_v0.16.1): patch targets, parse_args with our provider, the model flags.
 
-Skipped unless ``MEGATRON_LM_PATH`` points at a Megatron-LM checkout. The model / data-loader / forward
-step tests run in gloo processes (``test_megatron_lm_distributed.py``).
+Megatron-LM comes from the project's getter (``libra_megatron.megatron_lm``); under CI these tests fail,
+never skip, when it cannot be had. The model / data-loader / forward step tests run in gloo processes
+(``test_megatron_lm_distributed.py``); Megatron-LM's whole ``pretrain()`` loop is ``test_pretrain_loop.py``.
 """
 import argparse
 import sys
@@ -49,7 +50,7 @@ class _NoopHooks:
 def installed():
     """All patch points installed with ``_NoopHooks``; undone afterwards."""
     import_megatron_training()
-    import patches
+    import libra_megatron.patches as patches
 
     hooks = _NoopHooks()
     patcher = patches.install_all(hooks)
@@ -78,7 +79,7 @@ def _targets():
 
 def test_install_all_replaces_every_target_and_undo_restores_them():
     import_megatron_training()
-    import patches
+    import libra_megatron.patches as patches
 
     before = {name: getattr(mod, attr) for name, (mod, attr) in _targets().items()}
     patcher = patches.install_all(_NoopHooks())
@@ -97,8 +98,8 @@ def test_install_all_replaces_every_target_and_undo_restores_them():
 def test_a_changed_megatron_target_aborts_the_whole_install(monkeypatch):
     import_megatron_training()
     import megatron.training.training as training
-    import patches
-    from patches import PatchTargetChanged
+    import libra_megatron.patches as patches
+    from libra_megatron.patches import PatchTargetChanged
 
     import megatron.training.arguments as arguments
 
@@ -160,13 +161,12 @@ def test_libra_validation_names_the_flag_and_arithmetic(installed, monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["8B", "30B-A3B", "235B-A22B"])
-def test_model_args_match_megatron_lm_qwen3_example(model):
+def test_model_args_match_megatron_lm_qwen3_example(model, megatron_lm_path):
     """Each flag of configs/models/qwen3-*.args that also appears in Megatron-LM's Qwen3 example has its value."""
-    import os
     import shlex
     from pathlib import Path
 
-    example = Path(os.environ["MEGATRON_LM_PATH"]) / f"examples/post_training/modelopt/conf/Qwen/Qwen3-{model}.sh"
+    example = Path(megatron_lm_path) / f"examples/post_training/modelopt/conf/Qwen/Qwen3-{model}.sh"
     text = example.read_text()
     model_args = shlex.split(text.split('MODEL_ARGS="', 1)[1].split('"', 1)[0].replace("\\\n", " "))
     ours = shlex.split((REPO / "configs" / "models" / f"qwen3-{model.lower()}.args").read_text(), comments=True)
@@ -186,22 +186,3 @@ def test_model_args_match_megatron_lm_qwen3_example(model):
     structural = {"--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--kv-channels",
                   "--qk-layernorm", "--rotary-base", "--ffn-hidden-size"}
     assert structural <= shared
-
-
-def test_launcher_runs_pretrain_gpt_through_the_patched_pretrain_until_megatron_needs_cuda(tmp_path):
-    """The whole launcher path on CPU: args file from configs/, hooks installed, pretrain_gpt.py as __main__,
-    its pretrain() is our wrapper (forward_step verified, get_batch swapped), then Megatron-LM's own
-    ``assert torch.cuda.is_available()`` in initialize_megatron stops it (no GPU here)."""
-    import os
-    import subprocess
-
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "libra_megatron.launch", "--megatron-args-file", "configs/qwen3-8b-256k.args",
-           "--mock-data", "--train-iters", "1"]
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    out = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "libra_megatron.launch: verified and installed 9 Megatron-LM attributes" in out
-    assert "patches/get_batch.py" in out and "in pretrain" in out  # pretrain_gpt called our wrapper
-    assert "PatchTargetChanged" not in out
-    assert "Megatron requires CUDA." in out

@@ -1,11 +1,10 @@
 """A launched Libra run on 2 gloo ranks against real Megatron-LM: model via --spec, patched loader, forward_step.
 
-Megatron-LM's ``pretrain()`` itself cannot run on CPU: ``initialize_megatron`` asserts
-``torch.cuda.is_available()`` (pretrain passes no ``allow_no_cuda``), ``pretrain`` all-reduces
-``device='cuda'`` tensors right after initialisation, and ``get_batch_on_this_tp_rank`` calls ``.cuda()``.
-``megatron_workers.launched_step`` therefore performs the same start-up steps by hand (see its docstring)
-and then one training step through megatron-core's own forward/backward schedule with ``pretrain_gpt``'s
-``forward_step`` and ``loss_func``.
+In-process and without CUDA emulation: ``megatron_workers.launched_step`` performs the launcher's start-up
+steps by hand (see its docstring), then one global batch through ``pretrain_gpt``'s ``forward_step`` and
+``loss_func``, with and without the plan, for both batch carriers. This inspects what the patch points hand
+Megatron (batches, carriers, metrics) directly; Megatron-LM's whole ``pretrain()`` loop on CPU is
+``test_pretrain_loop.py``.
 """
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from libra_megatron.config import LibraConfig
 from libra_megatron.testing.dist import run_distributed
 
-from .megatron_lm import MEGATRON_LM_PATH, REPO, needs_megatron_lm
+from .megatron_lm import REPO, needs_megatron_lm
 from .megatron_workers import CARRIER_VARIANTS, GBS, SEQ_LEN, launched_step
 
 pytestmark = needs_megatron_lm
@@ -23,7 +22,7 @@ LIBRA_FLAGS = ["--libra-pool-size", "2", "--libra-block-size", "128", "--libra-n
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, megatron_lm_path):
     from libra_megatron.megatron.corpus import build_indexed_dataset_from_trace
 
     save_dir = str(tmp_path_factory.mktemp("libra_run"))
@@ -32,7 +31,7 @@ def run(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("corpus") / "linux")
     trace = REPO / "data" / "traces" / "linux-6.12-files.qwen.txt"
     build_indexed_dataset_from_trace(trace, prefix, vocab_size=256, eod=255, max_docs=200)
-    env = {"MEGATRON_LM_PATH": MEGATRON_LM_PATH}
+    env = {"MEGATRON_LM_PATH": megatron_lm_path}
     results = run_distributed(launched_step, 2, save_dir, "libra_local_qk_spec", LIBRA_FLAGS, prefix,
                               timeout=300, env=env)
     return save_dir, results

@@ -4,16 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from patches import PATCH_POINTS
-from patches._base import (
+from libra_megatron.patches import PATCH_POINTS
+from libra_megatron.patches._base import (
     PatchTargetChanged,
     Patcher,
     TargetSpec,
     check_megatron_core_version,
     resolve_target,
 )
-from patches.get_batch import swap_get_batch
-from patches.parse_args import merge_args_providers
+from libra_megatron.patches.get_batch import swap_get_batch
+from libra_megatron.patches.parse_args import merge_args_providers
 
 TARGET_SOURCE = """
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -57,6 +57,18 @@ def test_changed_source_raises_listing_the_missing_fragment(fake_module):
 def test_unimportable_module_raises():
     with pytest.raises(PatchTargetChanged, match="cannot be imported"):
         resolve_target(TargetSpec("no_such_megatron_module_xyz", "f", ()))
+
+
+def test_a_missing_third_party_package_is_named_not_reported_as_a_changed_target(fake_module):
+    """Megatron-LM importing a package that is not installed is an environment problem (e.g. 'six')."""
+    from libra_megatron.megatron_lm import MegatronLMDependencyMissing
+
+    with pytest.raises(ModuleNotFoundError):
+        fake_module("fake_megatron_needs_six", "import libra_test_absent_six\n")
+    with pytest.raises(MegatronLMDependencyMissing,
+                       match=r"^Megatron-LM needs the Python package 'libra_test_absent_six' "
+                             r"\(pip install libra_test_absent_six; "):
+        resolve_target(TargetSpec("fake_megatron_needs_six", "f", ()))
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "1.16.0"])
@@ -157,7 +169,7 @@ def test_model_parallel_target_matches_installed_megatron_core():
     """The one target that lives in megatron-core (PyPI) is verified without Megatron-LM."""
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state
-    from patches.model_parallel import DESTROY_MODEL_PARALLEL, INITIALIZE_MODEL_PARALLEL
+    from libra_megatron.patches.model_parallel import DESTROY_MODEL_PARALLEL, INITIALIZE_MODEL_PARALLEL
 
     assert resolve_target(INITIALIZE_MODEL_PARALLEL) is parallel_state.initialize_model_parallel
     assert resolve_target(DESTROY_MODEL_PARALLEL) is parallel_state.destroy_model_parallel
