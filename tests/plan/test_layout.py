@@ -1,5 +1,4 @@
 """HeadLayout KV classes and the chunks that send / return K/V once per step (hand cases)."""
-import numpy as np
 import pytest
 
 from libra_megatron.plan.errors import PlanError
