@@ -5,8 +5,10 @@ Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R] [--cpu
 Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
 Megatron-style), for the paper's tiles (uniform blocks, whole-group KV fetch) and ours (adaptive blocks,
 prefix fetch): build_tiles, place_tiles(ALG2), build_exchange_plan, and the per-rank plan a rank waits for
-(its RankPlan and int32 row tables, the slowest of 8 ranks spread over the pool) -- what one rank needs
-before its first step.
+(its RankPlan and row run tables, the slowest of 8 ranks spread over the pool) -- what one rank needs
+before its first step. Separately (not on the planner thread): "expand", the CPU time of expanding the
+slowest of those ranks' run tables into index tensors with torch on the CPU (``runtime.routes``, 1 thread;
+on a GPU this is device work at the first use of the plan).
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
@@ -21,6 +23,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -36,6 +39,7 @@ from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 
 from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
 from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
+from libra_megatron.runtime.routes import upload_tables  # noqa: E402
 
 POOL_SIZE = 8
 CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
@@ -71,11 +75,13 @@ def pools_of(segs, num_pools):
     return out[:num_pools]
 
 
-def _rank_plan_ms(plan, num_workers: int) -> float:
-    """Slowest own plan of ``RANK_SAMPLES`` ranks spread over the pool: its RankPlan + int32 row tables (ms)."""
+def _rank_plan_ms(plan, num_workers: int):
+    """Over ``RANK_SAMPLES`` ranks spread over the pool: (slowest own plan = RankPlan + run tables, slowest
+    torch expansion of the tables on the CPU) in ms."""
     def own_plan(rank):
         return build_rank_tables(plan.ranks[rank])
-    return max(timed(own_plan, r)[1] for r in range(0, num_workers, max(1, num_workers // RANK_SAMPLES)))
+    timings = [timed(own_plan, r) for r in range(0, num_workers, max(1, num_workers // RANK_SAMPLES))]
+    return max(ms for _, ms in timings), max(timed(upload_tables, tables, "cpu")[1] for tables, _ in timings)
 
 
 def bench_case(segs_by_trace, case, num_pools, reps, mode):
@@ -84,23 +90,23 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=4, elem_bytes=2)
     for trace, segs in segs_by_trace.items():
-        times = {"build": [], "place": [], "exchange": [], "rank": [], "tiles": []}
+        times = {"build": [], "place": [], "exchange": [], "rank": [], "expand": [], "tiles": []}
         for pool in pools_of(segs[seq_len], num_pools):
             for _ in range(reps):
                 tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=0.03,
                                        kv_fetch=kv_fetch)
                 result, t_place = timed(place_tiles, tiles, 0.03, TilePlacement.ALG2)
                 plan, t_ex = timed(build_exchange_plan, tiles, result.assignment)
-                t_rank = _rank_plan_ms(plan, tiles.num_workers)
+                t_rank, t_expand = _rank_plan_ms(plan, tiles.num_workers)
                 for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
-                                 ("tiles", tiles.num_tiles)):
+                                 ("expand", t_expand), ("tiles", tiles.num_tiles)):
                     times[key].append(val)
         med = {k: float(np.median(v)) for k, v in times.items()}
         total = med["build"] + med["place"] + med["exchange"] + med["rank"]
         print(f"{name:<11}{mode:<6}{trace:<10}{int(med['tiles']):>6}{med['build']:>8.2f}{med['place']:>8.2f}"
               f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>8.2f}{med['rank']:>8.2f}"
               f"{np.percentile(times['rank'], 90):>8.2f}{total:>8.2f}{budget:>7.0f}{total / budget:>7.2f}"
-              f"{'  OK' if total <= budget else '  OVER'}")
+              f"{'  OK' if total <= budget else '  OVER'}{med['expand']:>9.2f}")
 
 
 def bench_vrsp(flops, reps):
@@ -122,14 +128,16 @@ def main() -> None:
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu else time.perf_counter
+    torch.set_num_threads(1)  # the expand column: one thread's work (a GPU does it on the device)
     print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; load average {os.getloadavg()[0]:.1f}")
     segs_by_trace = {}
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         docs = load_trace(find_trace(trace))
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
     print(f"{'case':<11}{'mode':<6}{'trace':<10}{'tiles':>6}{'build':>8}{'place':>8}{'place90':>9}{'exch':>8}"
-          f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}   (ms, medians; rank = slowest of "
-          f"{RANK_SAMPLES} ranks' RankPlan + tables; total = build + place + exch + rank)")
+          f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}{'':>6}{'expand':>9}   (ms, medians; rank = "
+          f"slowest of {RANK_SAMPLES} ranks' RankPlan + run tables; total = build + place + exch + rank; expand = "
+          f"slowest torch CPU expansion of those ranks' tables, training thread, not in total)")
     for case in CASES:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)

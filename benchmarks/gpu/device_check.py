@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): six independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): seven independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -15,6 +15,8 @@ section runs. Sections:
                turn (M chunk calls, fwd and fwd+bwd) vs Ulysses per-rank calls on the same sequences;
                measured max/mean next to the simulator's prediction (Eq. 6 and calibrated seconds)
   memory       peak and retained memory of one layer (P=1, real 256K sequence) per save mode vs plan.memory
+  tables       the heaviest rank's run tables of a real 1M pool (shipped knobs) expanded on the device under
+               set_sync_debug_mode("error"): rows equal the host expansion; upload + expansion time
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -41,22 +43,23 @@ from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
 from libra_megatron.plan.memory import saved_bytes_per_rank  # noqa: E402
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
 from libra_megatron.plan.pool import plan_pool  # noqa: E402
-from libra_megatron.plan.rank_tables import rank_tables  # noqa: E402
+from libra_megatron.plan.rank_tables import build_rank_tables, rank_tables  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
 from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.plan.workload import sequence_flops  # noqa: E402
-from libra_megatron.runtime import libra_attn_func  # noqa: E402
+from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, varlen_attn_func  # noqa: E402
 from libra_megatron.runtime.kernels import torch_flash  # noqa: E402
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
            calib_blocks=(128, 256, 512, 1024, 2048, 4096, 8192, 16384), calib_heads=(1, 2, 4, 8, 16, 32),
-           pool_len=1 << 18, pool_cp=8, pool_p=8, block=4096, memory_len=1 << 18, reps=5)
+           pool_len=1 << 18, pool_cp=8, pool_p=8, block=4096, memory_len=1 << 18, reps=5,
+           tables_len=1 << 20, tables_cp=16, tables_p=8, tables_block=4096, tables_hm=(2, 4))
 DRY = dict(head_dim=8, hq=4, hkv=2, entries=[(5, 9), (7, 7), (1, 4)], seq_len=64, overhead_segs=(8, 16, 8, 32),
            calib_tokens=32, calib_blocks=(8, 16), calib_heads=(1, 2), pool_len=128, pool_cp=2, pool_p=2, block=16,
-           memory_len=64, reps=1)
+           memory_len=64, reps=1, tables_len=128, tables_cp=2, tables_p=2, tables_block=16, tables_hm=(2, 2))
 
 
 class Ctx:
@@ -247,15 +250,16 @@ def section_calibration(ctx: Ctx) -> dict:
 
 
 # ============================================================================ 5. straggler
-def _pool_segments(ctx: Ctx):
+def _pool_segments(ctx: Ctx, seq_len=None, pool_size=None):
     sh = ctx.shape
+    seq_len, pool_size = seq_len or sh["pool_len"], pool_size or sh["pool_p"]
     docs = load_trace(find_trace("linux-6.12-files.qwen.txt"))
     if ctx.dry:
         docs = np.maximum(1, docs // 64)
-    segs = [np.asarray(s) for s in pack_documents(docs, sh["pool_len"], "megatron", 1234)]
-    gbs = sh["pool_p"] * 4
-    order = place_sequences(sequence_flops(segs[:gbs]), sh["pool_p"])
-    return [[segs[i].tolist() for i in order[k * sh["pool_p"]:(k + 1) * sh["pool_p"]]] for k in range(2)]
+    segs = [np.asarray(s) for s in pack_documents(docs, seq_len, "megatron", 1234)]
+    gbs = pool_size * 4
+    order = place_sequences(sequence_flops(segs[:gbs]), pool_size)
+    return [[segs[i].tolist() for i in order[k * pool_size:(k + 1) * pool_size]] for k in range(2)]
 
 
 def _replay_worker(ctx: Ctx, rp, heads, reps: int):
@@ -364,8 +368,43 @@ def section_memory(ctx: Ctx) -> dict:
     return out
 
 
+# ============================================================================ 7. device tables
+def section_tables(ctx: Ctx) -> dict:
+    """The heaviest rank of a real pool at the shipped 1M knobs (P=8, CP=16, H=2, M=4, B=4096): its run tables
+    expanded on the device under set_sync_debug_mode("error"), rows equal to the host expansion, device time."""
+    sh = ctx.shape
+    P, cp, L, (H, M) = sh["tables_p"], sh["tables_cp"], sh["tables_len"], sh["tables_hm"]
+    config = LibraConfig(pool_size=P, head_split=H, block_size=sh["tables_block"], num_chunks=M)
+    heads = HeadLayout(sh["hq"], sh["hkv"], sh["head_dim"], H, M, elem_bytes=2)
+    plan = plan_pool(_pool_segments(ctx, L, P)[0], config, TokenLayout("zigzag", L, cp), heads, validate=False)
+    start = time.thread_time()
+    tables = [build_rank_tables(plan.exchange.for_rank(w)) for w in range(P * cp)]
+    host_ms = (time.thread_time() - start) * 1e3 / (P * cp)
+    worst = max(tables, key=lambda t: t.nbytes())
+    ctx.sync()
+    if ctx.cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        dev = routes.upload_tables(worst, ctx.device)
+    finally:
+        if ctx.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    pairs = [(dev.k_gather, worst.k_gather), (dev.chunks[0].q_fwd.recv_rows, worst.q_arranged),
+             (dev.chunks[0].kv_fwd.recv_rows, worst.kv_arranged), (dev.batch.cu_q, worst.cu_q), (dev.batch.cu_k, worst.cu_k)]
+    for chunk, q_send, kv_send in zip(dev.chunks, worst.q_send, worst.kv_send):
+        pairs += [(chunk.q_fwd.send_rows, q_send), (chunk.kv_fwd.send_rows, kv_send)]
+    equal = all(np.array_equal(got.cpu().numpy(), want if isinstance(want, np.ndarray) else want.expand())
+                for got, want in pairs)
+    return {"rows_equal_host_expansion": bool(equal), "sync_debug_mode": "error" if ctx.cuda else "n/a (CPU)",
+            "rows": sum(r.total for r in worst.distinct_runs()), "runs": sum(r.num_runs for r in worst.distinct_runs()),
+            "device_mib": worst.nbytes() / 2**20, "host_tables_ms_per_rank": host_ms,
+            "upload_and_expand_ms": 1e3 * ctx.seconds(lambda: routes.upload_tables(worst, ctx.device), sh["reps"]),
+            "layout": f"L={L} P={P} CP={cp} B={sh['tables_block']} H={H} M={M}"}
+
+
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
-            "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory}
+            "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
+            "tables": section_tables}
 
 
 def _summary(results: dict) -> str:

@@ -23,7 +23,8 @@ at once if the thread has died.
 Off the training thread, per pool: the PoolPlan; the predicted bytes every rank keeps for backward per
 layer in each save mode (``plan.memory``), and the ``save_mode=auto`` decision from them (pool-wide
 numbers, so every rank of the pool decides the same); and, when ``worker`` is set, this rank's RankPlan
-and its row-index tables (``plan.rank_tables``), so the training thread only uploads them.
+and its row run tables (``plan.rank_tables``, O(runs)), so the training thread only uploads the runs and
+expands them into index tensors on the device (``runtime.routes``, once per plan).
 
 Thread safety and memory. ``submit``/``get`` may be called from any thread; slot state is guarded by one
 lock, and a slot's result is published by its ``done`` event. Each ``submit`` announces one upcoming
@@ -109,7 +110,7 @@ class BackgroundPlanner:
         first; pending ones are never evicted. Size it to the plans submitted ahead (a window's worth).
     timeout_s: the longest ``get`` waits before raising ``PlannerError``.
     validate: run ``validate_plan`` on every plan (all ranks' invariants; costs O(units)).
-    worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan and row-index tables
+    worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan and row run tables
         are then built in the thread too (otherwise on first ``get`` / first use).
     num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
         ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
@@ -286,7 +287,7 @@ class BackgroundPlanner:
             slot.done.set()
 
     def _materialise_rank(self, plan, submitted: float) -> Optional[float]:
-        """Build this worker's RankPlan and its row-index tables now; seconds since submit, or None."""
+        """Build this worker's RankPlan and its row run tables now; seconds since submit, or None."""
         exchange = getattr(plan, "exchange", None)
         if self._worker is None or exchange is None:
             return None

@@ -27,6 +27,7 @@ and a fingerprint every rank can compare before the first collective.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from .errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .layout import HeadLayout
 
-__all__ = ["Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
+__all__ = ["IndexRuns", "Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
 
 
 def q_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
@@ -55,35 +56,118 @@ def kv_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class Route:
-    """One all_to_all exchange as seen by one rank, in units.
+class IndexRuns:
+    """An index array stored as arithmetic runs: run i is ``start[i] + stride * arange(count[i])``, and the
+    array is the runs concatenated in order. Storing and checking it is O(runs); ``expand()`` is O(indices).
 
-    send_index  int64 [sum(send_splits)]  source rows to send, grouped by destination in rank order
-    send_splits int64 [W]                  units sent to each rank (self included)
-    recv_splits int64 [W]                  units received from each rank (self included)
-    recv_index  int64 [sum(recv_splits)]  where received unit i lands in the target buffer
-    source_len  int                        rows of the source buffer
-    target_len  int                        rows of the target buffer
-    accumulate  bool                       False: target[recv_index] = received (recv_index is a
-                                           permutation of range(target_len));
-                                           True: target = zeros.index_add(recv_index, received)
+    start   int64 [n]  first index of every run
+    count   int64 [n]  indices in every run (>= 0)
+    stride  int        step inside a run (H for Q units, G for KV units, 1 for arranged rows)
     """
 
-    send_index: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+    stride: int
+
+    def __post_init__(self) -> None:
+        start, count = _frozen(np.array(self.start, dtype=np.int64)), _frozen(np.array(self.count, dtype=np.int64))
+        if start.ndim != 1 or start.shape != count.shape:
+            raise PlanError(f"runs need 1-D start and count of one length, got {start.shape} and {count.shape}")
+        if (count < 0).any() or int(self.stride) < 0:
+            raise PlanError(f"runs need counts >= 0 and a stride >= 0 (stride {self.stride})")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "count", count)
+        object.__setattr__(self, "stride", int(self.stride))
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.start.shape[0])
+
+    @functools.cached_property
+    def num_indices(self) -> int:
+        return int(self.count.sum())
+
+    def index_range(self) -> Tuple[int, int]:
+        """(lowest index, highest index + 1) over the non-empty runs; (0, 0) when there is none."""
+        keep = self.count > 0
+        if not keep.any():
+            return 0, 0
+        start = self.start[keep]
+        last = start + self.stride * (self.count[keep] - 1)
+        return int(start.min()), int(last.max()) + 1
+
+    def expand(self) -> np.ndarray:
+        """The index array, int64 [num_indices], read-only."""
+        return _frozen(_expand(self.start, self.count, self.stride))
+
+    @staticmethod
+    def of_index(index: np.ndarray) -> "IndexRuns":
+        """Any index array as runs of one index each (for hand-made routes; the builder makes long runs)."""
+        index = np.asarray(index, dtype=np.int64).reshape(-1)
+        return IndexRuns(index, np.ones_like(index), 1)
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """One all_to_all exchange as seen by one rank, in units, stored as runs (O(runs), not O(units)).
+
+    send_runs   IndexRuns  source units to send, grouped by destination in rank order (target order
+                           inside each destination: the order the destination receives them in)
+    send_splits int64 [W]  units sent to each rank (self included)
+    recv_splits int64 [W]  units received from each rank (self included)
+    recv_runs   IndexRuns  where each received unit lands in the target buffer, grouped by source
+    source_len  int        rows of the source buffer
+    target_len  int        rows of the target buffer
+    accumulate  bool       False: target[recv_index] = received (recv_index is a permutation of
+                           range(target_len)); True: target = zeros.index_add(recv_index, received)
+    ``send_index`` / ``recv_index`` are the runs expanded (int64, built on first access and cached): for
+    validation and the numpy test executor; the runtime expands the runs itself (``plan.rank_tables``).
+    Checked on construction, O(runs): split shapes and signs, run totals == split totals, every index
+    inside its buffer.
+    """
+
+    send_runs: IndexRuns
     send_splits: np.ndarray
     recv_splits: np.ndarray
-    recv_index: np.ndarray
+    recv_runs: IndexRuns
     source_len: int
     target_len: int
     accumulate: bool = False
 
+    def __post_init__(self) -> None:
+        send = _frozen(np.array(self.send_splits, dtype=np.int64))
+        recv = _frozen(np.array(self.recv_splits, dtype=np.int64))
+        object.__setattr__(self, "send_splits", send)
+        object.__setattr__(self, "recv_splits", recv)
+        object.__setattr__(self, "source_len", int(self.source_len))
+        object.__setattr__(self, "target_len", int(self.target_len))
+        if send.ndim != 1 or send.shape != recv.shape or (send < 0).any() or (recv < 0).any():
+            raise PlanError(f"route splits must be two [W] arrays of counts >= 0, got {send.shape} and {recv.shape}")
+        for side, runs, splits, length in (("send", self.send_runs, send, self.source_len),
+                                           ("recv", self.recv_runs, recv, self.target_len)):
+            if runs.num_indices != int(splits.sum()):
+                raise PlanError(f"route {side} runs hold {runs.num_indices} units, its splits sum to {int(splits.sum())}")
+            lo, hi = runs.index_range()
+            if lo < 0 or hi > length:
+                raise PlanError(f"route {side} runs reach [{lo}, {hi}), outside the buffer of {length} rows")
+
+    @functools.cached_property
+    def send_index(self) -> np.ndarray:
+        """int64 [sum(send_splits)]: ``send_runs`` expanded."""
+        return self.send_runs.expand()
+
+    @functools.cached_property
+    def recv_index(self) -> np.ndarray:
+        """int64 [sum(recv_splits)]: ``recv_runs`` expanded."""
+        return self.recv_runs.expand()
+
     def inverse(self) -> "Route":
         """The backward route: arranged -> local, accumulating (§ backward, issue 3)."""
         return Route(
-            send_index=self.recv_index,
+            send_runs=self.recv_runs,
             send_splits=self.recv_splits,
             recv_splits=self.send_splits,
-            recv_index=self.send_index,
+            recv_runs=self.send_runs,
             source_len=self.target_len,
             target_len=self.source_len,
             accumulate=True,
@@ -353,10 +437,10 @@ class _RunIndex:
         s = slice(sptr[rank], sptr[rank + 1])
         r = slice(rptr[rank], rptr[rank + 1])
         return Route(
-            send_index=_frozen(_expand(send.src_start[s], send.count[s], stride)),
-            send_splits=_frozen(np.bincount(send.dst[s], weights=send.count[s], minlength=W).astype(np.int64)),
-            recv_splits=_frozen(np.bincount(recv.src[r], weights=recv.count[r], minlength=W).astype(np.int64)),
-            recv_index=_frozen(_expand(recv.tgt_start[r], recv.count[r], 1)),
+            send_runs=IndexRuns(send.src_start[s], send.count[s], stride),
+            send_splits=np.bincount(send.dst[s], weights=send.count[s], minlength=W).astype(np.int64),
+            recv_splits=np.bincount(recv.src[r], weights=recv.count[r], minlength=W).astype(np.int64),
+            recv_runs=IndexRuns(recv.tgt_start[r], recv.count[r], 1),
             source_len=int(source_len),
             target_len=int(target_len),
         )

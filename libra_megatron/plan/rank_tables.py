@@ -1,18 +1,25 @@
-"""Row-index tables of one RankPlan, in the runtime's buffer rows (numpy only; the runtime uploads them).
+"""Row tables of one RankPlan as *runs*, in the runtime's buffer rows (numpy only; the runtime expands them).
 
-Everything ``runtime.libra_attn_func`` indexes with, computed once per RankPlan on the host so that the
-background planner can build it off the training thread (``rank_tables(plan)`` is cached per plan object
-and thread-safe). Row formulas are ``exchange.q_rows`` / ``exchange.kv_rows``; arrays are int32 (every
-row index of a 1M-token pool fits; checked), split sizes are Python ints.
+Everything ``runtime.libra_attn_func`` indexes with, as arithmetic runs of rows (``RowRuns``): O(runs) on
+the host, so the background planner builds them in microseconds even for a rank that sends millions of
+units; the runtime expands them into index tensors on the device once per plan (``runtime.routes``).
+``rank_tables(plan)`` is cached per plan object and thread-safe. A route's unit runs map to row runs with
+the row formulas ``exchange.q_rows`` / ``exchange.kv_rows``, which are affine inside a run:
+    Q run  (u0, stride H, n)  ->  rows u0*M + m, stride H*M                        (every chunk m)
+    KV run (u0, stride G, n)  ->  rows (u0//G)*kvp + piece[u0 % G, m], stride kvp  (one KV class per run)
+Rows are bounded by the plan (view sizes, target lengths, checked by ``Route`` on construction), not by a
+scan: a table expands to int32 when its bound fits, else int64. Split sizes are Python ints.
 
 Per chunk m (local views: Q/O/dQ (t*H*M, qp, d), K/V (t*kvp, kp, d); arranged buffers per chunk):
     q_send[m]   rows of the local Q view sent by the Q route, grouped by destination; the inverse route
                 returns O / dQ rows into the same rows (index_add, ``Route.inverse``)
     kv_send[m]  rows of the local K/V views sent by the KV route; returned dK|dV rows accumulate there
+                (chunks that read the same kv pieces share one ``RowRuns``)
 Chunk-independent:
-    q_arranged / kv_arranged  the routes' recv_index: forward, received row i lands on arranged row
+    q_arranged / kv_arranged  the routes' recv runs: forward, received row i lands on arranged row
                 recv_index[i] (a permutation); inverse, the arranged rows sent back home in that order
-    k_gather    arranged-KV row of every packed key row of the varlen call
+    k_gather    arranged-KV row of every packed key row of the varlen call: entry i reads rows
+                [seq_kv_offset[i], +seq_k_len[i]), one run per entry
     cu_q, cu_k  int32 [n+1] varlen offsets; q_lens / k_lens for the exact backend's per-entry loop
 """
 from __future__ import annotations
@@ -24,11 +31,58 @@ from typing import Tuple
 
 import numpy as np
 
-from .exchange import RankPlan, Route, kv_rows, q_rows  # noqa: F401  (kv_rows: the rule _kv_send implements)
+from .errors import PlanError
+from .exchange import IndexRuns, RankPlan, Route
 
-__all__ = ["RankTables", "RouteSplits", "rank_tables"]
+__all__ = ["RankTables", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables"]
 
 _INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclass(frozen=True, eq=False)
+class RowRuns:
+    """Row indices as runs: run i = ``start[i] + stride*arange(count[i])``, concatenated; no empty run.
+
+    start, count  int64 [n] (host, read-only)     stride  int
+    total         sum(count): rows after expansion (host int, so the device expansion needs no sync)
+    bound         every row lies in [0, bound) (from the plan); the expansion's dtype follows from it
+    """
+
+    start: np.ndarray
+    count: np.ndarray
+    stride: int
+    total: int
+    bound: int
+
+    @staticmethod
+    def of(runs: IndexRuns, bound: int, scale: int = 1, offset=0) -> "RowRuns":
+        """Rows ``scale*index + offset`` of ``runs`` (``offset``: int, or int64 [n] per run), empty runs dropped."""
+        keep = runs.count > 0
+        start = runs.start * scale + offset
+        return RowRuns.make(start[keep], runs.count[keep], runs.stride * scale, bound)
+
+    @staticmethod
+    def make(start, count, stride: int, bound: int) -> "RowRuns":
+        start, count = _frozen(start), _frozen(count)
+        return RowRuns(start, count, int(stride), int(count.sum()), int(bound))
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.start.shape[0])
+
+    @property
+    def dtype(self):
+        """int32 when every row fits (the device index dtype), else int64 (the bound, not the values, decides)."""
+        return np.int32 if self.bound <= _INT32_MAX + 1 else np.int64
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the expanded rows (what the device holds)."""
+        return self.total * np.dtype(self.dtype).itemsize
+
+    def expand(self) -> np.ndarray:
+        """The rows on the host, in ``dtype`` (tests and host tools; the runtime expands on the device)."""
+        return IndexRuns(self.start, self.count, self.stride).expand().astype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -51,11 +105,11 @@ class RouteSplits:
 
 @dataclass(frozen=True, eq=False)
 class RankTables:
-    q_send: Tuple[np.ndarray, ...]
-    kv_send: Tuple[np.ndarray, ...]
-    q_arranged: np.ndarray
-    kv_arranged: np.ndarray
-    k_gather: np.ndarray
+    q_send: Tuple[RowRuns, ...]
+    kv_send: Tuple[RowRuns, ...]
+    q_arranged: RowRuns
+    kv_arranged: RowRuns
+    k_gather: RowRuns
     cu_q: np.ndarray
     cu_k: np.ndarray
     q_lens: Tuple[int, ...]
@@ -71,87 +125,82 @@ class RankTables:
     def num_entries(self) -> int:
         return len(self.q_lens)
 
+    def distinct_runs(self) -> Tuple[RowRuns, ...]:
+        """Every distinct row table once (chunks sharing kv pieces share one ``kv_send`` entry)."""
+        tables = [*self.q_send, *self.kv_send, self.q_arranged, self.kv_arranged, self.k_gather]
+        return tuple({id(t): t for t in tables}.values())
+
     def nbytes(self) -> int:
-        """Bytes of the distinct arrays (chunks sharing kv pieces share one kv_send array)."""
-        arrays = [*self.q_send, *self.kv_send, self.q_arranged, self.kv_arranged, self.k_gather, self.cu_q, self.cu_k]
-        return int(sum(a.nbytes for a in {id(a): a for a in arrays}.values()))
+        """Bytes of the expanded index tables on the device (distinct tables + cu_q, cu_k)."""
+        return sum(t.nbytes for t in self.distinct_runs()) + int(self.cu_q.nbytes + self.cu_k.nbytes)
+
+    def host_nbytes(self) -> int:
+        """Bytes of the run tables themselves (what the planner builds and keeps)."""
+        return sum(t.start.nbytes + t.count.nbytes for t in self.distinct_runs()) + int(self.cu_q.nbytes + self.cu_k.nbytes)
 
 
-def _i32(x: np.ndarray, bound: int) -> np.ndarray:
-    """int32 copy of index array ``x`` whose values are known to lie in [0, bound) (plan invariants, checked
-    by ``validate_plan``): the bound, not a scan of millions of values, proves the cast is exact."""
-    if bound > _INT32_MAX:
-        raise ValueError(f"row index bound {bound} does not fit int32")
-    out = np.ascontiguousarray(x, dtype=np.int32)
+def _frozen(x) -> np.ndarray:
+    out = np.array(x, dtype=np.int64)
     out.setflags(write=False)
     return out
 
 
-def _affine_rows(column: np.ndarray, G: int, kvp: int):
-    """(a, b) with column[c] == a*c + b and kvp == a*G, else None. Then kv_rows(u) = a*u + b for every KV unit
-    u = token*G + c (rows = token*kvp + column[c] = a*(token*G + c) + b): no division per unit."""
-    a = kvp // G if kvp % G == 0 else None
-    if a is None or not np.array_equal(column, a * np.arange(G) + column[0]):
-        return None
-    return a, int(column[0])
+def _q_send(route: Route, heads, bound: int) -> Tuple[RowRuns, ...]:
+    """``q_rows(send_index, heads, m)`` for every chunk m: unit u -> row u*M + m, affine inside every run."""
+    M = heads.num_chunks
+    return tuple(RowRuns.of(route.send_runs, bound, scale=M, offset=m) for m in range(M))
 
 
-def _kv_send(units: np.ndarray, heads, bound: int) -> Tuple[np.ndarray, ...]:
-    """``kv_rows(units, heads, m)`` for every chunk m as int32 (rows < ``bound``), one array per distinct kv
-    piece column: chunks that read the same kv pieces (shared kv heads) share it. Same values as kv_rows.
-    KV units are ``token*G + class`` (``HeadLayout.num_kv_classes``)."""
-    G, M, kvp = heads.num_kv_classes, heads.num_chunks, heads.kv_pieces_per_token
+def _kv_send(route: Route, heads, bound: int) -> Tuple[RowRuns, ...]:
+    """``kv_rows(send_index, heads, m)`` for every chunk m, one ``RowRuns`` per distinct kv piece column (chunks
+    that read the same kv pieces share it). KV units are ``token*G + class``; a run of stride G stays in one
+    class c, so its rows are ``token*kvp + piece[c, m]``: start (u0//G)*kvp + piece[c, m], stride kvp."""
+    runs, G, kvp = route.send_runs, heads.num_kv_classes, heads.kv_pieces_per_token
+    if runs.stride % G and (runs.count > 1).any():
+        raise PlanError(f"KV route runs of stride {runs.stride} cross KV classes (G = {G})")
+    token, klass = np.divmod(runs.start, G)
+    step = runs.stride // G * kvp if runs.stride % G == 0 else 0  # stride irrelevant when every run is one unit
     pieces = heads.kv_piece_of_class()  # [G, M]
-    units32 = _i32(units, bound)  # units < t*G <= rows bound
     by_column, out = {}, []
-    for m in range(M):
+    for m in range(heads.num_chunks):
         column = pieces[:, m]
         key = column.tobytes()
         if key not in by_column:
-            affine = _affine_rows(column, G, kvp)
-            if affine is not None:
-                a, b = affine
-                rows = units32 if (a, b) == (1, 0) else _i32(units32 * np.int32(a) + np.int32(b), bound)
-            else:
-                token, klass = np.divmod(units32, np.int32(G))
-                rows = _i32(token * np.int32(kvp) + column.astype(np.int32)[klass], bound)
-            by_column[key] = rows
+            keep = runs.count > 0
+            start = token * kvp + column[klass]
+            by_column[key] = RowRuns.make(start[keep], runs.count[keep], step, bound)
         out.append(by_column[key])
     return tuple(out)
 
 
-def _k_gather(plan: RankPlan, bound: int) -> np.ndarray:
+def _k_gather(plan: RankPlan) -> RowRuns:
     """Arranged-KV row of every packed key row: entry i reads rows [seq_kv_offset[i], +seq_k_len[i])."""
-    k_len = np.asarray(plan.seq_k_len, dtype=np.int64)
-    total = int(k_len.sum())
-    _i32(np.zeros(0), max(bound, total))
-    first = np.cumsum(k_len) - k_len
-    out = np.arange(total, dtype=np.int32)
-    out += np.repeat((np.asarray(plan.seq_kv_offset, np.int64) - first).astype(np.int32), k_len)
+    runs = IndexRuns(plan.seq_kv_offset, plan.seq_k_len, 1)
+    return RowRuns.of(runs, plan.kv_route.target_len)
+
+
+def _cu32(lengths: np.ndarray) -> np.ndarray:
+    cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    if cu[-1] > _INT32_MAX:
+        raise ValueError(f"varlen offsets reach {int(cu[-1])}, which does not fit int32 (flash-attn's cu_seqlens)")
+    out = cu.astype(np.int32)
     out.setflags(write=False)
     return out
 
 
-def _cumsum0(lengths: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-
-
 def build_rank_tables(plan: RankPlan) -> RankTables:
-    """All tables of ``plan`` (no caching; see ``rank_tables``)."""
+    """All tables of ``plan`` (no caching; see ``rank_tables``). O(runs + varlen entries), no unit array."""
     heads, r, M = plan.heads, plan.rank, plan.heads.num_chunks
     qr, kr = plan.q_route, plan.kv_route
     q_lens = np.diff(np.asarray(plan.cu_seqlens_q, dtype=np.int64))
     k_lens = np.asarray(plan.seq_k_len, dtype=np.int64)
     q_view_rows = plan.local_tokens * heads.head_split * M
     kv_view_rows = plan.local_tokens * heads.kv_pieces_per_token
-    cu_q, cu_k = _cumsum0(q_lens), _cumsum0(k_lens)
     q_splits, kv_splits = RouteSplits.of(qr, r), RouteSplits.of(kr, r)
     return RankTables(
-        q_send=tuple(_i32(q_rows(qr.send_index, heads, m), q_view_rows) for m in range(M)),
-        kv_send=_kv_send(kr.send_index, heads, max(kv_view_rows, plan.local_tokens * heads.num_kv_classes)),
-        q_arranged=_i32(qr.recv_index, qr.target_len), kv_arranged=_i32(kr.recv_index, kr.target_len),
-        k_gather=_k_gather(plan, kr.target_len), cu_q=_i32(cu_q, int(cu_q[-1]) + 1),
-        cu_k=_i32(cu_k, int(cu_k[-1]) + 1),
+        q_send=_q_send(qr, heads, q_view_rows), kv_send=_kv_send(kr, heads, kv_view_rows),
+        q_arranged=RowRuns.of(qr.recv_runs, qr.target_len), kv_arranged=RowRuns.of(kr.recv_runs, kr.target_len),
+        k_gather=_k_gather(plan), cu_q=_cu32(q_lens), cu_k=_cu32(k_lens),
         q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()),
         q_splits=q_splits, kv_splits=kv_splits,
         q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),

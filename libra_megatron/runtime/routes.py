@@ -11,9 +11,12 @@ A route moves *units*; one unit is one row of the views above, so split sizes ar
 
 Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
 so every row is written once); inverse routes accumulate (``index_add_``), casting the received rows to the target's dtype
-so a float32 target sums low-precision fragments in float32. Index tensors are int32 (``plan.rank_tables``)
-and device tables live in a small LRU (``DeviceTables``). Every exchange is launched with
-``async_op=True``; its ``PendingExchange`` is waited on only right before the tensor is used.
+so a float32 target sums low-precision fragments in float32. Index tensors are int32 where the plan's
+bounds allow (int64 otherwise). The planner hands over row *runs* (``plan.rank_tables``, O(runs) on the
+host); ``expand_runs`` turns them into index tensors on the device, once per plan at its first use on the
+training thread (a few device kernels of known output size: no host sync), and the results live in a
+small LRU (``DeviceTables``). Every exchange is launched with ``async_op=True``; its ``PendingExchange``
+is waited on only right before the tensor is used.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple  # noqa: F401
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,7 +34,7 @@ from ..plan.rank_tables import RankTables, RouteSplits
 from .kernels import VarlenBatch, host_to_device
 
 __all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "ChunkRoutes", "DeviceTables", "device_tables",
-           "set_table_cache_size", "start_exchange"]
+           "expand_runs", "set_table_cache_size", "start_exchange", "upload_tables"]
 
 
 @dataclass
@@ -96,28 +100,56 @@ class DeviceTables:
     nbytes: int
 
 
-def _upload(tables: RankTables, device) -> DeviceTables:
-    uploaded = {}
+def expand_runs(start: torch.Tensor, count: torch.Tensor, stride: int, total: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of runs on ``start``'s device: run i = ``start[i] + stride*arange(count[i])``, concatenated.
 
-    def up(array):  # arrays shared by several chunks (shared kv pieces) are uploaded once
-        if id(array) not in uploaded:
-            uploaded[id(array)] = host_to_device(array, device)
-        return uploaded[id(array)]
+    start, count  int64 [n] on the device, every count > 0 (``RowRuns`` drops empty runs)
+    total         sum(count), known on the host: every output size is known, nothing is read back (no sync)
+    Returns ``dtype`` [total]. Fill with the stride, write each run's jump from the previous run's last row at
+    its first slot, cumulative sum: the partial sums are the rows themselves, so they stay inside the
+    rows' bound (no int32 overflow when the rows fit int32)."""
+    out = torch.full((total,), stride, dtype=dtype, device=start.device)
+    if total == 0:
+        return out
+    last = start + stride * (count - 1)
+    jump = start - torch.cat([last.new_zeros(1), last[:-1]])
+    out.scatter_(0, torch.cumsum(count, 0) - count, jump.to(dtype))
+    return out.cumsum_(0)
 
-    q_arr, kv_arr = up(tables.q_arranged), up(tables.kv_arranged)
+
+_TORCH_INT = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
+def _expand_all(tables: RankTables, device):
+    """(device rows of every distinct ``RowRuns`` by id, cu_q, cu_k): the run tables and varlen offsets go up
+    in one pinned non-blocking copy and are expanded there, once per plan (GPU work; no host sync)."""
+    runs = tables.distinct_runs()
+    parts = [tables.cu_q, tables.cu_k, *(r.start for r in runs), *(r.count for r in runs)]
+    sizes = [int(p.shape[0]) for p in parts]
+    flat = host_to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), device)
+    pieces = torch.split(flat, sizes)
+    n = len(runs)
+    rows = {id(r): expand_runs(pieces[2 + i], pieces[2 + n + i], r.stride, r.total, _TORCH_INT[np.dtype(r.dtype)])
+            for i, r in enumerate(runs)}
+    return rows, pieces[0].to(torch.int32), pieces[1].to(torch.int32)
+
+
+def upload_tables(tables: RankTables, device) -> DeviceTables:
+    """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
+    rows, cu_q, cu_k = _expand_all(tables, device)
+    q_arr, kv_arr = rows[id(tables.q_arranged)], rows[id(tables.kv_arranged)]
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
-        q_rows, kv_rows = up(q_send), up(kv_send)
+        q_rows, kv_rows = rows[id(q_send)], rows[id(kv_send)]
         chunks.append(ChunkRoutes(
             q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
             kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False),
             q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=True),
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
-    bounds = _bounds(tables)
-    batch = VarlenBatch(cu_q=up(tables.cu_q), cu_k=up(tables.cu_k), max_q=max(tables.q_lens, default=0),
-                        max_k=max(tables.k_lens, default=0), bounds=bounds)
-    return DeviceTables(chunks=tuple(chunks), batch=batch, k_gather=up(tables.k_gather), nbytes=tables.nbytes())
+    batch = VarlenBatch(cu_q=cu_q, cu_k=cu_k, max_q=max(tables.q_lens, default=0),
+                        max_k=max(tables.k_lens, default=0), bounds=_bounds(tables))
+    return DeviceTables(chunks=tuple(chunks), batch=batch, k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes())
 
 
 def _bounds(tables: RankTables):
@@ -169,7 +201,7 @@ def set_table_cache_size(capacity: int) -> None:
 
 def device_tables(plan, tables_fn, device) -> DeviceTables:
     """Device tables of ``plan`` (``tables_fn(plan)`` gives its host ``RankTables``), LRU-cached."""
-    return _CACHE.get(plan, torch.device(device), lambda: _upload(tables_fn(plan), device))
+    return _CACHE.get(plan, torch.device(device), lambda: upload_tables(tables_fn(plan), device))
 
 
 def cached_table_bytes() -> int:

@@ -1,43 +1,95 @@
-"""plan.rank_tables: the runtime's int32 row tables equal the plain row formulas of plan.exchange."""
+"""plan.rank_tables: the run tables expand to exactly the unit-based row tables, in O(runs) on the host."""
 import numpy as np
 import pytest
 
-from libra_megatron.plan.exchange import build_exchange_plan, kv_rows, q_rows
+from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.rank_tables import build_rank_tables, rank_tables
+from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables, rank_tables
 from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.testing.unit_tables import unit_tables
 
 # (hq, hkv, H, M): affine kv rows (shared and disjoint kv pieces), H not a power of two, H > hkv (KV classes;
-# a shard straddling two kv heads, e.g. hq 12, hkv 2, H 3, is rejected by HeadLayout)
+# a shard straddling two kv heads, e.g. hq 12, hkv 2, H 3, is rejected by HeadLayout), non-affine kv columns
 HEADS = [(8, 8, 2, 2), (8, 2, 1, 4), (8, 1, 4, 2), (8, 2, 4, 1), (16, 2, 2, 1), (4, 4, 4, 1), (8, 8, 1, 4),
          (16, 4, 2, 2), (12, 12, 3, 2), (18, 6, 3, 2), (12, 1, 3, 2), (128, 4, 4, 4), (32, 8, 4, 4)]
 
 
-@pytest.mark.parametrize("hq, hkv, H, M", HEADS)
-def test_tables_equal_row_formulas_for_every_rank(hq, hkv, H, M):
+def _plan(hq, hkv, H, M, kv_fetch="prefix", tiling="adaptive"):
     rng = np.random.default_rng(hq * 100 + hkv * 10 + H + M)
     heads = HeadLayout(hq, hkv, 4, H, M)
-    layout = TokenLayout("zigzag", 48, 2)
-    tiles = build_tiles([[20, 28], [3, 45]], layout, heads, 5)
-    plan = build_exchange_plan(tiles, rng.integers(0, tiles.num_workers, tiles.num_tiles))
-    for w in range(tiles.num_workers):
-        rp, t = plan.for_rank(w), build_rank_tables(plan.for_rank(w))
-        for m in range(M):
-            np.testing.assert_array_equal(t.kv_send[m], kv_rows(rp.kv_route.send_index, heads, m))
-            np.testing.assert_array_equal(t.q_send[m], q_rows(rp.q_route.send_index, heads, m))
-        np.testing.assert_array_equal(t.kv_arranged, rp.kv_route.recv_index)
-        expected = [np.arange(o, o + n) for o, n in zip(rp.seq_kv_offset, rp.seq_k_len)]
-        np.testing.assert_array_equal(t.k_gather, np.concatenate(expected) if expected else np.zeros(0))
-        np.testing.assert_array_equal(t.cu_k, np.concatenate([[0], np.cumsum(rp.seq_k_len)]))
-        arrays = [*t.q_send, *t.kv_send, t.q_arranged, t.kv_arranged, t.k_gather, t.cu_q, t.cu_k]
-        assert all(a.dtype == np.int32 and not a.flags.writeable for a in arrays)
+    tiles = build_tiles([[20, 28], [3, 45]], TokenLayout("zigzag", 48, 2), heads, 5, tiling=tiling, kv_fetch=kv_fetch)
+    return heads, build_exchange_plan(tiles, rng.integers(0, tiles.num_workers, tiles.num_tiles))
+
+
+def assert_tables_equal_unit_tables(rp, t, expand):
+    """Every table of ``t`` expanded with ``expand`` equals the unit-based reference of ``rp``."""
+    ref = unit_tables(rp)
+    for m in range(rp.heads.num_chunks):
+        np.testing.assert_array_equal(expand(t.q_send[m]), ref.q_send[m])
+        np.testing.assert_array_equal(expand(t.kv_send[m]), ref.kv_send[m])
+    for name in ("q_arranged", "kv_arranged", "k_gather"):
+        np.testing.assert_array_equal(expand(getattr(t, name)), getattr(ref, name), err_msg=name)
+    np.testing.assert_array_equal(t.cu_q, ref.cu_q)
+    np.testing.assert_array_equal(t.cu_k, ref.cu_k)
+
+
+@pytest.mark.parametrize("hq, hkv, H, M", HEADS)
+@pytest.mark.parametrize("kv_fetch", ["group", "prefix"])
+def test_run_tables_expand_to_the_unit_tables_for_every_rank(hq, hkv, H, M, kv_fetch):
+    heads, plan = _plan(hq, hkv, H, M, kv_fetch)
+    for w in range(plan.num_workers):
+        rp = plan.for_rank(w)
+        t = build_rank_tables(rp)
+        assert_tables_equal_unit_tables(rp, t, RowRuns.expand)
+        assert all(r.dtype == np.int32 and r.expand().dtype == np.int32 for r in t.distinct_runs())
+        assert all((r.count > 0).all() and not r.start.flags.writeable for r in t.distinct_runs())
+        assert t.cu_q.dtype == t.cu_k.dtype == np.int32
         assert t.kv_splits.send == tuple(rp.kv_route.send_splits) and t.q_back_splits.send == tuple(rp.q_route.recv_splits)
 
 
-def test_chunks_reading_the_same_kv_pieces_share_one_array_and_tables_are_cached_per_plan():
+def test_tables_never_expand_the_routes_and_stay_the_size_of_the_runs():
+    _, plan = _plan(32, 8, 4, 4)
+    for rp in plan.ranks:
+        t = build_rank_tables(rp)
+        for route in (rp.q_route, rp.kv_route):  # cached_property: an expansion would sit in __dict__
+            assert "send_index" not in vars(route) and "recv_index" not in vars(route)
+        runs = rp.q_route.send_runs.num_runs + rp.kv_route.send_runs.num_runs
+        assert max(r.num_runs for r in t.distinct_runs()) <= max(runs, rp.num_seqs)
+        assert t.nbytes() == sum(a.nbytes for a in _unit_arrays(unit_tables(rp), t))
+
+
+def _unit_arrays(ref, t):
+    """The reference arrays the device holds (int32; chunks sharing a kv piece share one array)."""
+    kv = {id(r): a for r, a in zip(t.kv_send, ref.kv_send)}
+    arrays = [*ref.q_send, *kv.values(), ref.q_arranged, ref.kv_arranged, ref.k_gather, ref.cu_q, ref.cu_k]
+    return [a.astype(np.int32) for a in arrays]
+
+
+def test_chunks_reading_the_same_kv_pieces_share_one_table_and_tables_are_cached_per_plan():
     heads = HeadLayout(32, 8, 4, 4, 4)  # chunks (0, 1) and (2, 3) read the same kv heads
     tiles = build_tiles([[30, 18], [48]], TokenLayout("zigzag", 48, 2), heads, 6)
     rp = build_exchange_plan(tiles, tiles.tile_home()).for_rank(1)
     t = rank_tables(rp)
     assert t.kv_send[0] is t.kv_send[1] and t.kv_send[2] is t.kv_send[3] and t.kv_send[0] is not t.kv_send[2]
     assert rank_tables(rp) is t
+
+
+def test_row_dtype_follows_the_plan_bound_not_the_values():
+    small = RowRuns.make([0, 10], [3, 2], 2, bound=2**31)
+    assert small.dtype == np.int32 and small.nbytes == 5 * 4
+    np.testing.assert_array_equal(small.expand(), [0, 2, 4, 10, 12])
+    big = RowRuns.make([2**31 + 1, 5], [2, 1], 3, bound=2**31 + 8)
+    assert big.dtype == np.int64 and big.nbytes == 3 * 8
+    np.testing.assert_array_equal(big.expand(), [2**31 + 1, 2**31 + 4, 5])
+
+
+def test_index_runs_expand_like_concatenated_ranges():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n, stride = int(rng.integers(0, 8)), int(rng.integers(0, 5))
+        start, count = rng.integers(0, 100, n), rng.integers(0, 6, n)
+        want = [s + stride * i for s, c in zip(start, count) for i in range(c)]
+        runs = IndexRuns(start, count, stride)
+        np.testing.assert_array_equal(runs.expand(), np.array(want, dtype=np.int64))
+        assert runs.num_indices == len(want)
+        assert runs.index_range() == ((min(want), max(want) + 1) if want else (0, 0))

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.plan.errors import PlanError
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.plan.validate import validate_plan
@@ -25,12 +25,16 @@ def small_plan(seed=0, kind="zigzag"):
 
 
 def with_rank(plan, rank, route=None, **changes):
-    """A copy of ``plan`` whose RankPlan ``rank`` (or its ``route``) has ``changes`` applied."""
+    """A copy of ``plan`` whose RankPlan ``rank`` (or its ``route``) has ``changes`` applied; a changed
+    ``send_index`` / ``recv_index`` becomes runs of one unit each (routes store runs)."""
     ranks = list(plan.ranks)
     rp = ranks[rank]
     if route is None:
         ranks[rank] = dataclasses.replace(rp, **changes)
     else:
+        for side in ("send", "recv"):
+            if f"{side}_index" in changes:
+                changes[f"{side}_runs"] = IndexRuns.of_index(changes.pop(f"{side}_index"))
         ranks[rank] = dataclasses.replace(rp, **{route: dataclasses.replace(getattr(rp, route), **changes)})
     return dataclasses.replace(plan, ranks=tuple(ranks))
 

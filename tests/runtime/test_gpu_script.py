@@ -4,7 +4,7 @@ import os
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory"}
+SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -20,6 +20,7 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     assert sections["backends"]["torch_flash"]["status"] == "unavailable"  # and says why on CPU
     for mode in ("arranged", "refetch"):
         assert sections["memory"][mode]["saved_equals_predicted"], sections["memory"][mode]
+    assert sections["tables"]["rows_equal_host_expansion"] and sections["tables"]["rows"] > 0
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):

@@ -1,0 +1,45 @@
+"""Reference for the run tables (tests only): the row tables as the runtime built them before runs.
+
+Before run tables, ``plan.rank_tables`` expanded every route into unit arrays on the host and mapped each
+unit with the row formulas ``q_rows`` / ``kv_rows`` (O(units)). This module keeps that computation, from
+the routes' expanded ``send_index`` / ``recv_index`` and the varlen metadata, so tests can check that the
+run tables, expanded on the host (``RowRuns.expand``) or on the device (``runtime.routes``), give exactly
+the same rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import numpy as np
+
+from ..plan.exchange import RankPlan, kv_rows, q_rows
+
+__all__ = ["UnitTables", "unit_tables"]
+
+
+@dataclass(frozen=True)
+class UnitTables:
+    """The unit-based tables of one RankPlan, int64 host arrays (see ``plan.rank_tables`` for meanings)."""
+
+    q_send: Tuple[np.ndarray, ...]  # per chunk m
+    kv_send: Tuple[np.ndarray, ...]  # per chunk m
+    q_arranged: np.ndarray
+    kv_arranged: np.ndarray
+    k_gather: np.ndarray
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+
+
+def unit_tables(plan: RankPlan) -> UnitTables:
+    heads, M = plan.heads, plan.heads.num_chunks
+    qr, kr = plan.q_route, plan.kv_route
+    k_gather = [np.arange(o, o + n, dtype=np.int64) for o, n in zip(plan.seq_kv_offset, plan.seq_k_len)]
+    return UnitTables(
+        q_send=tuple(q_rows(qr.send_index, heads, m) for m in range(M)),
+        kv_send=tuple(kv_rows(kr.send_index, heads, m) for m in range(M)),
+        q_arranged=np.asarray(qr.recv_index, dtype=np.int64), kv_arranged=np.asarray(kr.recv_index, dtype=np.int64),
+        k_gather=np.concatenate(k_gather) if k_gather else np.zeros(0, dtype=np.int64),
+        cu_q=np.asarray(plan.cu_seqlens_q, dtype=np.int64),
+        cu_k=np.concatenate([[0], np.cumsum(plan.seq_k_len, dtype=np.int64)]),
+    )

@@ -1,0 +1,106 @@
+"""runtime.routes: run tables expanded by torch give exactly the unit-based row tables, without a host read."""
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables
+from libra_megatron.runtime import routes
+from libra_megatron.testing.unit_tables import unit_tables
+
+from plan.test_exchange import SETTINGS, pools  # tests/ is the rootdir: its packages import by name
+from plan.test_rank_tables import HEADS, _plan, assert_tables_equal_unit_tables
+from .cases import CallCounter
+
+
+def _device_arrays(dev):
+    """The device tables in the shape of ``RankTables``: per-chunk send rows, arranged rows, k_gather, cu."""
+    first = dev.chunks[0]
+    return dict(q_send=[c.q_fwd.send_rows for c in dev.chunks], kv_send=[c.kv_fwd.send_rows for c in dev.chunks],
+                q_arranged=first.q_fwd.recv_rows, kv_arranged=first.kv_fwd.recv_rows, k_gather=dev.k_gather,
+                cu_q=dev.batch.cu_q, cu_k=dev.batch.cu_k)
+
+
+def assert_device_tables_equal_unit_tables(rp):
+    tables = build_rank_tables(rp)
+    dev = routes.upload_tables(tables, "cpu")
+    got, ref = _device_arrays(dev), unit_tables(rp)
+    for name in ("q_send", "kv_send"):
+        for m, (g, want) in enumerate(zip(got[name], getattr(ref, name))):
+            assert g.dtype == torch.int32, (name, m, g.dtype)
+            np.testing.assert_array_equal(g.numpy(), want, err_msg=f"{name}[{m}] rank {rp.rank}")
+    for name in ("q_arranged", "kv_arranged", "k_gather", "cu_q", "cu_k"):
+        assert got[name].dtype == torch.int32, name
+        np.testing.assert_array_equal(got[name].numpy(), getattr(ref, name), err_msg=f"{name} rank {rp.rank}")
+    for c in dev.chunks:  # inverse routes read the forward tables swapped
+        assert c.q_inv.send_rows is c.q_fwd.recv_rows and c.q_inv.recv_rows is c.q_fwd.send_rows
+        assert c.kv_inv.send_rows is c.kv_fwd.recv_rows and c.kv_inv.recv_rows is c.kv_fwd.send_rows
+    kv_ids = {id(c.kv_fwd.send_rows) for c in dev.chunks}
+    assert len(kv_ids) == len({id(r) for r in tables.kv_send})  # chunks sharing a kv piece share the tensor
+    assert dev.nbytes == tables.nbytes() == sum(t.numel() * 4 for t in _distinct(dev))
+
+
+def _distinct(dev):
+    arrays = [t for c in dev.chunks for t in (c.q_fwd.send_rows, c.kv_fwd.send_rows, c.q_fwd.recv_rows,
+                                              c.kv_fwd.recv_rows)] + [dev.k_gather, dev.batch.cu_q, dev.batch.cu_k]
+    return list({id(t): t for t in arrays}.values())
+
+
+@given(pools())
+@settings(**dict(SETTINGS, max_examples=80))
+def test_device_tables_equal_unit_tables_across_layouts_tilings_fetch_modes_and_heads(pool):
+    """contiguous/zigzag, CP/P/H/M in {1,2,4}, GQA 1/4/8 incl. H > hkv, uniform/adaptive, group/prefix fetch,
+    random and home assignments, blocks crossing documents and CP chunks."""
+    _, _, _, tiles, assign, _ = pool
+    plan = build_exchange_plan(tiles, assign)
+    for rp in plan.ranks:
+        assert_device_tables_equal_unit_tables(rp)
+
+
+def test_device_tables_equal_unit_tables_for_non_affine_kv_columns_and_h_above_hkv():
+    for hq, hkv, H, M in HEADS:
+        for kv_fetch in ("group", "prefix"):
+            _, plan = _plan(hq, hkv, H, M, kv_fetch, tiling="uniform")
+            for rp in plan.ranks:
+                assert_device_tables_equal_unit_tables(rp)
+
+
+def test_host_and_device_expansion_agree_with_the_numpy_reference():
+    _, plan = _plan(128, 4, 4, 4)
+    for rp in plan.ranks:
+        assert_tables_equal_unit_tables(rp, build_rank_tables(rp), RowRuns.expand)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(1, 7)), max_size=12), st.integers(0, 9),
+       st.sampled_from([torch.int32, torch.int64]))
+@settings(deadline=None, max_examples=100)
+def test_expand_runs_equals_concatenated_ranges(runs, stride, dtype):
+    want = [s + stride * i for s, c in runs for i in range(c)]
+    start = torch.tensor([s for s, _ in runs], dtype=torch.int64)
+    count = torch.tensor([c for _, c in runs], dtype=torch.int64)
+    out = routes.expand_runs(start, count, stride, len(want), dtype)
+    assert out.dtype == dtype and out.tolist() == want
+
+
+def test_expand_runs_keeps_rows_above_int32_in_int64():
+    start, count = torch.tensor([2**31 + 3, 7]), torch.tensor([3, 2])
+    out = routes.expand_runs(start, count, 5, 5, torch.int64)
+    assert out.tolist() == [2**31 + 3, 2**31 + 8, 2**31 + 13, 7, 12]
+
+
+def test_upload_reads_nothing_back_and_uses_only_ops_of_host_known_size(monkeypatch):
+    """The expansion must run under ``set_sync_debug_mode("error")`` on a GPU: no host read of a device
+    value, no op whose output size depends on device values (nonzero, repeat_interleave without size)."""
+    banned = []
+    for name in ("nonzero", "repeat_interleave", "unique", "masked_select"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _n=name, _o=original, **k: banned.append(_n) or _o(*a, **k))
+    _, plan = _plan(32, 8, 4, 4)
+    tables = [build_rank_tables(rp) for rp in plan.ranks]
+    counter = CallCounter()
+    try:
+        counts = [counter.measure(lambda t=t: routes.upload_tables(t, "cpu")) for t in tables]
+    finally:
+        counter.restore()
+    assert all(c == {} for c in counts) and banned == [], (counts, banned)
