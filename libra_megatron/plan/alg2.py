@@ -57,6 +57,11 @@ def capacity(tile_flops: np.ndarray, num_workers: int, tau: float) -> float:
 class _Static:
     """Per-block Python lists the greedy loop reads (built once, vectorized up to the final lists).
 
+    Nested containers are tuples of ints, not lists: the collector untracks them at its first pass, so
+    the tens of thousands of them a 1M pool needs do not count towards the next *full* collection, whose
+    cost grows with every object of the process (a training process holds millions) and which would
+    otherwise start every few plans, inside one of them (``benchmarks/bench_plan_ready.py``, "gc max").
+
     The *candidates* of a block are its home and the workers holding rows of the prefixes its tiles need:
     every other worker costs ``worst`` unless a shared group of the tile is selected there (a *saver*).
     A doc inside one block is *private*: its groups are referenced by one tile only, so C_r never holds
@@ -67,11 +72,11 @@ class _Static:
     homes: List[int]
     qo_bytes: List[int]  # V_Q + V_O of one tile of the block
     worst: List[int]  # Eq. 8 of a worker that is not the home and holds nothing: sum_g e_g * v + V_Q + V_O
-    groups: List[List[Tuple[int, List[int]]]]  # candidates grouped by equal cost: ascending cost, then id
+    groups: List[Tuple[Tuple[int, Tuple[int, ...]], ...]]  # candidates grouped by equal cost: ascending cost, then id
     cost: Dict[int, int]  # block * W + candidate -> its Eq. 8 cost, residency aside
     shared_ends: List[tuple]  # per block: ((doc*G, doc*W, kv end), ...) of its shared docs
     held_runs: Dict[int, tuple]  # shared doc * W + worker -> ((first row, end row), ...) it holds
-    holders: Dict[int, List[int]]  # shared doc * W -> the workers holding rows of it
+    holders: Dict[int, Tuple[int, ...]]  # shared doc * W -> the workers holding rows of it
     all_shared_groups: List[int]  # every shared group id
     kv_bytes_per_row: int
     class_of_shard: List[int]  # KV class of head shard h (group of a tile = doc * G + its class)
@@ -106,8 +111,8 @@ def _candidate_groups(tiles: TileSet, key: np.ndarray, cost: np.ndarray):
     block = key // W
     starts = np.flatnonzero(np.diff(block, prepend=-1) | np.diff(cost, prepend=-1))
     ends = np.append(starts[1:], key.size).tolist()
-    workers = (key - block * W).tolist()
-    groups = [(c, workers[a:e]) for c, a, e in zip(cost[starts].tolist(), starts.tolist(), ends)]
+    workers = tuple((key - block * W).tolist())
+    groups = tuple((c, workers[a:e]) for c, a, e in zip(cost[starts].tolist(), starts.tolist(), ends))
     bounds = np.searchsorted(block[starts], np.arange(nb + 1)).tolist()
     return [groups[bounds[b] : bounds[b + 1]] for b in range(nb)]
 
@@ -150,7 +155,7 @@ def _held_runs(tiles: TileSet, is_shared: np.ndarray):
         if doc_key + w not in runs:
             holders.setdefault(doc_key, []).append(w)
         runs[doc_key + w] = runs.get(doc_key + w, ()) + ((lo, lo + n),)
-    return runs, holders
+    return runs, {doc_key: tuple(workers) for doc_key, workers in holders.items()}
 
 
 def _static_data(tiles: TileSet) -> _Static:
