@@ -16,7 +16,7 @@ box) and wall.
 Also: ``rank_ready_s`` of the first pool of a submitted window through the real ``BackgroundPlanner``.
 
     .venv/bin/python benchmarks/bench_plan_ready.py [--pools 4] [--workers all|N] [--tiling uniform|adaptive]
-                                                    [--kv-fetch group|prefix]
+                                                    [--kv-fetch group|prefix] [--gc auto|manual]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_balance import pack  # noqa: E402
-from bench_planner import pools_of  # noqa: E402
+from bench_planner import FULL_GC, between_pools, pools_of, set_gc_mode  # noqa: E402
 from libra_megatron.config import LibraConfig  # noqa: E402
 from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
@@ -57,16 +57,22 @@ def _timed(fn):
 
 
 def per_worker(pool, config, layout, heads, workers):
-    """[(pool ms, rank ms, tables ms, total ms, expand ms)] CPU time per worker, and the same in wall time."""
+    """[(pool ms, rank ms, tables ms, total ms, expand ms, full-GC ms inside total)] CPU time per worker, and
+    the same in wall time."""
+    between_pools()
+    gc_before = FULL_GC.ms
     plan, pool_cpu, pool_wall = _timed(lambda: plan_pool(pool, config, layout, heads, validate=False))
+    pool_gc = FULL_GC.ms - gc_before
     cpu_rows, wall_rows = [], []
     for w in workers:
         fresh = build_exchange_plan(plan.tiles, plan.placement.assignment)
+        gc_before = FULL_GC.ms
         rank_plan, r_cpu, r_wall = _timed(lambda: fresh.for_rank(w))
         tables, t_cpu, t_wall = _timed(lambda: build_rank_tables(rank_plan))
+        gc_ms = pool_gc + FULL_GC.ms - gc_before
         _, e_cpu, e_wall = _timed(lambda: upload_tables(tables, "cpu"))
-        cpu_rows.append((pool_cpu, r_cpu, t_cpu, pool_cpu + r_cpu + t_cpu, e_cpu))
-        wall_rows.append((pool_wall, r_wall, t_wall, pool_wall + r_wall + t_wall, e_wall))
+        cpu_rows.append((pool_cpu, r_cpu, t_cpu, pool_cpu + r_cpu + t_cpu, e_cpu, gc_ms))
+        wall_rows.append((pool_wall, r_wall, t_wall, pool_wall + r_wall + t_wall, e_wall, gc_ms))
     return np.array(cpu_rows), np.array(wall_rows)
 
 
@@ -91,7 +97,11 @@ def main() -> None:
     ap.add_argument("--workers", default="all", help="'all' (128) or a number of evenly spaced workers")
     ap.add_argument("--tiling", default="adaptive", choices=["uniform", "adaptive"], help="uniform = the paper")
     ap.add_argument("--kv-fetch", default="prefix", choices=["group", "prefix"], help="group = the paper")
+    ap.add_argument("--gc", choices=["auto", "manual"], default="auto",
+                    help="auto: Python's garbage collector as is; manual: off, collected between pools "
+                         "(Megatron's --manual-gc)")
     args = ap.parse_args()
+    set_gc_mode(args.gc)
     torch.set_num_threads(1)  # thread CPU time sees only this thread: keep torch's expansion on it
     workers = list(range(P * CP)) if args.workers == "all" else list(np.linspace(0, P * CP - 1, int(args.workers),
                                                                                     dtype=int))
@@ -102,10 +112,11 @@ def main() -> None:
             traces[name.split("-")[0]] = pools_of(pack(load_trace(find_trace(name)), L), args.pools)
         except ValueError as exc:  # find_trace: not in $LIBRA_TRACE_DIR or data/traces
             print(f"({name}: {exc}; skipped)")
-    print(f"1M M={M} P={P} CP={CP} tiling={args.tiling} kv_fetch={args.kv_fetch}; load average "
-          f"{os.getloadavg()[0]:.1f}; ms per (pool, worker); expand = torch CPU expansion, not in ready")
+    print(f"1M M={M} P={P} CP={CP} tiling={args.tiling} kv_fetch={args.kv_fetch} gc={args.gc}; load average "
+          f"{os.getloadavg()[0]:.1f}; ms per (pool, worker); expand = torch CPU expansion, not in ready; gc max = the "
+          f"most full-GC time inside one worker's ready time")
     print(f"{'trace':<10}{'case':<21}{'clock':<6}{'pool':>7}{'rank':>7}{'tables':>8}{'ready med':>11}{'p90':>8}"
-          f"{'max':>8}{'<=50ms':>8}{'expand med':>12}{'max':>8}")
+          f"{'max':>8}{'<=50ms':>8}{'expand med':>12}{'max':>8}{'gc max':>8}")
     for trace, pools in traces.items():
         for label, (dims, H, B) in CASES.items():
             heads = HeadLayout(*dims, H, M, elem_bytes=2)
@@ -117,7 +128,8 @@ def main() -> None:
                 ok = float(np.mean(r[:, 3] <= BUDGET_MS))
                 print(f"{trace:<10}{label:<21}{clock:<6}{np.median(r[:, 0]):>7.1f}{np.median(r[:, 1]):>7.1f}"
                       f"{np.median(r[:, 2]):>8.1f}{np.median(r[:, 3]):>11.1f}{np.percentile(r[:, 3], 90):>8.1f}"
-                      f"{r[:, 3].max():>8.1f}{ok:>8.0%}{np.median(r[:, 4]):>12.1f}{r[:, 4].max():>8.1f}")
+                      f"{r[:, 3].max():>8.1f}{ok:>8.0%}{np.median(r[:, 4]):>12.1f}{r[:, 4].max():>8.1f}"
+                      f"{r[:, 5].max():>8.1f}")
             ready = planner_first_ready(pools, config, layout, heads, worker=0)
             print(f"{trace:<10}{label:<21}BackgroundPlanner(worker=0): first pool of a window ready after "
                   f"{', '.join(f'{x:.1f}' for x in ready)} ms (wall)")

@@ -1,6 +1,7 @@
 """Planner latency on this machine vs the budgets of the issue (medians over real-trace pools).
 
 Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R] [--cpu] [--modes paper ours]
+                                                   [--gc auto|manual]
 
 Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
 Megatron-style), for the paper's tiles (uniform blocks, whole-group KV fetch) and ours (adaptive blocks,
@@ -18,6 +19,7 @@ VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -56,6 +58,46 @@ RANK_SAMPLES = 8  # ranks per pool whose RankPlan is timed; the slowest counts (
 
 
 CLOCK = time.perf_counter  # --cpu switches to time.process_time (robust when the 2 cores are shared)
+MANUAL_GC = False  # --gc manual: automatic collection off, gc.collect() between pools (untimed)
+
+
+class FullGc:
+    """Milliseconds (thread CPU time of the collecting thread) spent in full, generation-2 garbage collections.
+
+    Their cost grows with every tracked object of the process, not with the plan: one that starts inside a
+    timed planner call adds to it (this process's trace lists make one cost tens of ms; a training process
+    holds far more objects). Megatron's ``--manual-gc`` turns automatic collection off for this reason."""
+
+    def __init__(self):
+        self.ms, self._start = 0.0, 0.0
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if info["generation"] == 2:
+            if phase == "start":
+                self._start = time.thread_time()
+            else:
+                self.ms += (time.thread_time() - self._start) * 1e3
+
+
+FULL_GC = FullGc()
+
+
+def set_gc_mode(mode: str) -> None:
+    """``auto``: Python's default collector; ``manual``: as Megatron's ``--manual-gc`` (collect between pools)."""
+    global MANUAL_GC
+    FULL_GC.install()
+    MANUAL_GC = mode == "manual"
+    if MANUAL_GC:
+        gc.disable()
+
+
+def between_pools() -> None:
+    if MANUAL_GC:
+        gc.collect()
 
 
 def timed(fn, *args, **kwargs):
@@ -90,23 +132,25 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=4, elem_bytes=2)
     for trace, segs in segs_by_trace.items():
-        times = {"build": [], "place": [], "exchange": [], "rank": [], "expand": [], "tiles": []}
+        times = {"build": [], "place": [], "exchange": [], "rank": [], "expand": [], "tiles": [], "gc": []}
         for pool in pools_of(segs[seq_len], num_pools):
             for _ in range(reps):
+                between_pools()
+                gc_before = FULL_GC.ms
                 tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=0.03,
                                        kv_fetch=kv_fetch)
                 result, t_place = timed(place_tiles, tiles, 0.03, TilePlacement.ALG2)
                 plan, t_ex = timed(build_exchange_plan, tiles, result.assignment)
                 t_rank, t_expand = _rank_plan_ms(plan, tiles.num_workers)
                 for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
-                                 ("expand", t_expand), ("tiles", tiles.num_tiles)):
+                                 ("expand", t_expand), ("tiles", tiles.num_tiles), ("gc", FULL_GC.ms - gc_before)):
                     times[key].append(val)
         med = {k: float(np.median(v)) for k, v in times.items()}
         total = med["build"] + med["place"] + med["exchange"] + med["rank"]
         print(f"{name:<11}{mode:<6}{trace:<10}{int(med['tiles']):>6}{med['build']:>8.2f}{med['place']:>8.2f}"
               f"{np.percentile(times['place'], 90):>9.2f}{med['exchange']:>8.2f}{med['rank']:>8.2f}"
               f"{np.percentile(times['rank'], 90):>8.2f}{total:>8.2f}{budget:>7.0f}{total / budget:>7.2f}"
-              f"{'  OK' if total <= budget else '  OVER'}{med['expand']:>9.2f}")
+              f"{'  OK' if total <= budget else '  OVER'}{med['expand']:>9.2f}{max(times['gc']):>8.1f}")
 
 
 def bench_vrsp(flops, reps):
@@ -125,19 +169,25 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall clock")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="paper: uniform tiles + group fetch; ours: adaptive tiles + prefix fetch (the defaults)")
+    parser.add_argument("--gc", choices=["auto", "manual"], default="auto",
+                        help="auto: Python's garbage collector as is; manual: off, collected between pools "
+                             "(Megatron's --manual-gc)")
     args = parser.parse_args()
+    set_gc_mode(args.gc)
     global CLOCK
     CLOCK = time.process_time if args.cpu else time.perf_counter
     torch.set_num_threads(1)  # the expand column: one thread's work (a GPU does it on the device)
-    print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; load average {os.getloadavg()[0]:.1f}")
+    print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; gc: {args.gc}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     segs_by_trace = {}
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         docs = load_trace(find_trace(trace))
         segs_by_trace[trace.split("-")[0]] = {L: pack(docs, L) for L in (256 * 1024, 1024 * 1024)}
     print(f"{'case':<11}{'mode':<6}{'trace':<10}{'tiles':>6}{'build':>8}{'place':>8}{'place90':>9}{'exch':>8}"
-          f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}{'':>6}{'expand':>9}   (ms, medians; rank = "
-          f"slowest of {RANK_SAMPLES} ranks' RankPlan + run tables; total = build + place + exch + rank; expand = "
-          f"slowest torch CPU expansion of those ranks' tables, training thread, not in total)")
+          f"{'rank':>8}{'rank90':>8}{'total':>8}{'budget':>7}{'tot/bud':>7}{'':>6}{'expand':>9}{'gc max':>8}   (ms, "
+          f"medians; rank = slowest of {RANK_SAMPLES} ranks' RankPlan + run tables; total = build + place + exch + "
+          f"rank; expand = slowest torch CPU expansion of those ranks' tables, training thread, not in total; gc max = "
+          f"the most full-GC time inside one pool's timed work)")
     for case in CASES:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)

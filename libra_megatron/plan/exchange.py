@@ -244,8 +244,8 @@ class ExchangePlan:
 # A *run* moves ``count`` units of one source worker, starting at unit ``src_start`` with stride H (Q) or
 # G (KV) (consecutive local tokens on one head shard or KV class), into rows [tgt_start, tgt_start+count) of the arranged
 # buffer of worker ``dst``. Q runs are whole tiles; KV runs are (referenced group, home fragment)
-# pairs. The pool-wide run tables are small (O(tiles + groups*homes)); the per-rank unit arrays are
-# materialised from them on first access (one rank usually needs only its own RankPlan).
+# pairs. The pool-wide run tables are small (O(tiles + groups*homes)); a rank's routes are cut from them on
+# first access, as runs too (one rank usually needs only its own RankPlan; nothing here is O(units)).
 
 
 @dataclass(frozen=True, eq=False)
@@ -280,7 +280,7 @@ class _Varlen:
 def _expand(start: np.ndarray, count: np.ndarray, stride: int) -> np.ndarray:
     """Concatenation of ``start[i] + stride*arange(count[i])`` over i, int64, vectorised.
 
-    One output buffer and two passes (per-rank materialisation moves millions of units at 1M tokens):
+    One output buffer and two passes (an expanded route holds millions of units at 1M tokens):
     fill with ``stride``, put each piece's jump from the previous piece's last value at its first slot,
     then an in-place cumulative sum."""
     count = np.asarray(count, dtype=np.int64)
@@ -408,7 +408,7 @@ def _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len) -> _Unit
     )
 
 
-# ------------------------------------------------------------------ per-rank materialisation
+# ------------------------------------------------------------------ per-rank routes (runs)
 class _RunIndex:
     """A run table sorted twice: by (src, dst, tgt) for the send side, by (dst, src, tgt) for receive.
 
@@ -577,7 +577,7 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     Varlen entries are (tile, doc fragment) pairs, consecutive entries of one group with continuing rows
     merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
-    Cost: O(tiles + fragments + referenced groups * homes) here; O(local units) per RankPlan on access.
+    Cost: O(tiles + fragments + referenced groups * homes) here; O(the rank's runs) per RankPlan on access.
     """
     assignment = _check_assignment(tiles, assignment)
     W, heads = tiles.num_workers, tiles.heads
