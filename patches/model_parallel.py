@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._base import Patcher, TargetSpec, require_source_fragments, resolve_target
+from ._base import Patcher, TargetSpec, resolve_target
 
 __all__ = ["INITIALIZE_MODEL_PARALLEL", "DESTROY_MODEL_PARALLEL", "CALLER", "install"]
 

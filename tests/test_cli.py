@@ -7,12 +7,10 @@ Scripts: ``scripts/main.sh`` (the CPU training driver) and the torchrun wrappers
 """
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -10,7 +10,7 @@ shards of a ``TokenLayout`` and back, used to feed each rank its local tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import numpy as np
 import torch

@@ -12,7 +12,6 @@ megatron-core's no-pipelining schedule does; the schedule and the optimizer upda
 """
 import sys
 
-import numpy as np
 
 from .megatron_lm import TINY_MODEL_ARGS, put_megatron_lm_on_path
 
@@ -96,7 +95,6 @@ def launched_step(rank, world_size, save_dir, spec_name, libra_flags, data_prefi
 
 
 def _step(rank, world_size, hooks, args):
-    import torch
     import torch.distributed as dist
 
     import gpt_builders

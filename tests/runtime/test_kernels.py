@@ -1,5 +1,4 @@
 """Kernel backends: the torch varlen reference against dense per-entry attention (autograd), and AUTO."""
-import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
