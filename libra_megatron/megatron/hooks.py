@@ -46,7 +46,7 @@ import numpy as np
 
 from ..config import LibraConfig, TokenLayoutKind
 
-__all__ = ["LibraHooks", "check_supported_layout", "validate_run", "check_model_config", "carrier_format"]
+__all__ = ["LibraHooks", "check_supported_layout", "validate_run", "carrier_format"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +141,6 @@ def validate_run(args: argparse.Namespace) -> LibraConfig:
     return config
 
 
-def check_model_config(args: argparse.Namespace) -> Any:
-    """On Megatron's validated args: the full-size TransformerConfig, its attention settings LibraCoreAttention
-    does not implement, and the --spec object (``model_checks``; the launcher ran them before any start-up)."""
-    from .model_checks import build_transformer_config, check_attention_config, resolve_spec
-
-    model_config = build_transformer_config(args)
-    check_attention_config(model_config)
-    resolve_spec(args)
-    return model_config
-
-
 def _check_rope_layout(args: argparse.Namespace, config: LibraConfig) -> None:
     """RoPE is applied by megatron-core before core attention; only two position schemes match Libra's layout.
 
@@ -196,10 +185,11 @@ class LibraHooks:
 
         from .args import log_and_save_libra_config
         from .groups import initialize_pool_groups
+        from .model_checks import check_model
 
         args = get_args()
         config = validate_run(args)
-        check_model_config(args)
+        check_model(args, validate=False)  # Megatron validated these args itself; the launcher checked before
         log_and_save_libra_config(config, args, _run_dir(args))
         self.qkv_format = carrier_format(args)
         logger.info("Libra batches use the %s carrier (%s)", self.qkv_format,

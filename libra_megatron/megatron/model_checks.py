@@ -47,7 +47,7 @@ class AttentionRule:
         value = getattr(config, self.field, None)
         if self.accepted(value):
             return None
-        shown = getattr(value, "name", value)
+        shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else getattr(value, "name", value)
         return f"{self.flag} {shown}: {self.why}"
 
 
@@ -76,7 +76,7 @@ ATTENTION_RULES: Tuple[AttentionRule, ...] = (
                   "Libra's kernel with --libra-kernel-backend"),
     AttentionRule("fp8_dot_product_attention", "fp8_dot_product_attention", lambda v: not v,
                   "Libra's kernels run attention in the input dtype (bf16/fp16), not FP8"),
-    AttentionRule("cp_comm_type", "--cp-comm-type", lambda v: v in (None, "p2p"),
+    AttentionRule("cp_comm_type", "--cp-comm-type", lambda v: v in (None, "p2p", ["p2p"]),
                   "Libra's plan decides every context-parallel transfer of core attention (pools exchange tiles); "
                   "leave --cp-comm-type at its default p2p"),
 )
@@ -84,7 +84,8 @@ ATTENTION_RULES: Tuple[AttentionRule, ...] = (
 
 
 def check_attention_config(config: Any) -> None:
-    """ValueError (one line naming the flag) for the first attention setting LibraCoreAttention does not run."""
+    """ValueError (one line naming the flag) for the first attention setting LibraCoreAttention does not run.
+    ``config``: a TransformerConfig, or Megatron's args (the fields have the same names there)."""
     for rule in ATTENTION_RULES:
         problem = rule.problem(config)
         if problem:
@@ -175,10 +176,13 @@ def resolve_spec(args: argparse.Namespace) -> Any:
     return found
 
 
-def check_model(args: argparse.Namespace, capability: Optional[Tuple[int, int]] = None) -> Any:
-    """validate_args, the full-size TransformerConfig, its attention settings and the --spec (module
-    docstring). Returns the TransformerConfig. ``args`` is validated in place (as Megatron-LM does)."""
-    validate_megatron_args(args, capability)
+def check_model(args: argparse.Namespace, capability: Optional[Tuple[int, int]] = None, validate: bool = True) -> Any:
+    """validate_args (``validate``: False for args Megatron-LM validated itself), the full-size TransformerConfig,
+    its attention settings and the --spec (module docstring). Returns the TransformerConfig. ``args`` is
+    validated in place (as Megatron-LM does)."""
+    check_attention_config(args)  # the same field names: refused before Megatron's own rules for them need TE
+    if validate:
+        validate_megatron_args(args, capability)
     config = build_transformer_config(args)
     check_attention_config(config)
     resolve_spec(args)
