@@ -19,8 +19,8 @@ section runs. Sections:
                set_sync_debug_mode("error"): rows equal the host expansion; upload + expansion time
   exchange     a real multi-worker pool: P worker processes on gloo (one GPU each when P GPUs are visible,
                else every worker on the one GPU; gloo moves CUDA tensors) run libra_attn_func fwd+bwd on a skewed pool whose
-               tiles Alg. 2 moves; errors against the exact backend in fp64, at each kernel call the receive
-               buffers in flight and those already placed but still alive (buffer lifetimes: must be 0), and
+               tiles Alg. 2 moves; errors against the exact backend in fp64, at each kernel call the exchanges
+               in flight and those already placed that still hold their receive buffer (must be 0), and
                the wall time of the pipelined call next to its hosted kernels alone (overlap)
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
@@ -423,29 +423,28 @@ def _exchange_pool(ctx: Ctx, num_workers: int):
 
 
 def _live_receive_buffers(stats):
-    """Instrument PendingExchange and stats.timed_kernel: at each kernel call, (receive buffers in flight,
-    receive buffers already placed/copied but still alive -- 0 when an exchange releases them at once)."""
+    """Instrument PendingExchange and stats.timed_kernel: at each kernel call, (exchanges in flight, exchanges
+    already placed/copied that still hold their receive buffer -- 0 when an exchange releases it at once;
+    counted on the exchange objects: a completed gloo work may hold the tensor itself a moment longer)."""
     import weakref
 
-    in_flight, consumed, at_kernel = [], [], []
+    made, at_kernel = [], []
     saved = (routes.PendingExchange.__init__, routes.PendingExchange.placed, routes.PendingExchange.into)
 
     def init(self, work, received, index, send=None):
         saved[0](self, work, received, index, send)
-        in_flight.append(weakref.ref(received))
+        made.append(weakref.ref(self))
 
     def consuming(original):
         def call(self, *args):
-            buffer = weakref.ref(self.received)
-            result = original(self, *args)
-            consumed.append(buffer)
-            return result
+            self.consumed_by_check = True  # an attribute, not id(): ids of freed exchanges are reused
+            return original(self, *args)
         return call
 
     def timed(fn, *args, _timed=stats.timed_kernel):
-        done = {id(ref) for ref in consumed}
-        at_kernel.append((sum(r() is not None for r in in_flight if id(r) not in done),
-                          sum(r() is not None for r in consumed)))
+        alive = [x for x in (r() for r in made) if x is not None]
+        done = [getattr(x, "consumed_by_check", False) for x in alive]
+        at_kernel.append((done.count(False), sum(d and x.received is not None for d, x in zip(done, alive))))
         return _timed(fn, *args)
 
     routes.PendingExchange.__init__ = init
@@ -484,7 +483,7 @@ def _exchange_worker(rank, world_size, dry, reps):
     libra_s = ctx.seconds(lambda: _fwd_bwd(lambda *a: libra_attn_func(*a, rp, dist.group.WORLD), q, k, v, do), reps)
     kernels_s = _replay_worker(ctx, rp, heads, reps)[1]
     return {"rel_err_out_dq_dk_dv": [_max_err(a, b) / max(float(b.abs().max()), 1e-30) for a, b in zip(got, ref)],
-            "receive_buffers_in_flight_at_kernel": [n for n, _ in at_kernel],
+            "exchanges_in_flight_at_kernel": [n for n, _ in at_kernel],
             "placed_but_alive_at_kernel": [n for _, n in at_kernel], "kernel_calls": len(at_kernel) == 2 * M,
             "bytes_sent": dict(stats.bytes_sent), "libra_fwd_bwd_s": libra_s, "hosted_kernels_fwd_bwd_s": kernels_s,
             "device": str(ctx.device)}
