@@ -23,7 +23,7 @@ from conftest import TRACE_EOD
 DP, POOL, GBS = 4, 2, 8
 
 
-def _sampler(dataset, rank, consumed=0, total=None, placement=SequencePlacement.REFINED, loader="single",
+def _sampler(dataset, rank, consumed=0, total=None, placement=LibraConfig().sequence_placement, loader="single",
              dp=DP, pool=POOL, gbs=GBS):
     total = len(dataset) if total is None else total
     return LibraGlobalBatchSampler(dataset, total, consumed, 1, gbs, rank, dp, pool, placement, loader, seed=3)
@@ -44,15 +44,15 @@ def _pool_load_ratio(keys_by_rank, pool):
 
 
 @pytest.fixture(scope="module")
-def refined_run(trace_gpt_dataset):
+def placed_run(trace_gpt_dataset):
     return _all_ranks(trace_gpt_dataset)
 
 
-def test_every_window_is_its_gbs_indices_each_once_across_ranks(refined_run, trace_gpt_dataset):
+def test_every_window_is_its_gbs_indices_each_once_across_ranks(placed_run, trace_gpt_dataset):
     num_windows = len(trace_gpt_dataset) // GBS
     assert num_windows >= 2000
     by_window = defaultdict(list)
-    for keys in refined_run:
+    for keys in placed_run:
         assert len(keys) == num_windows * GBS // DP
         for key in keys:
             by_window[key.window].append(key.sample_index)
@@ -61,9 +61,9 @@ def test_every_window_is_its_gbs_indices_each_once_across_ranks(refined_run, tra
         assert sorted(indices) == list(range(v * GBS, (v + 1) * GBS))
 
 
-def test_pool_metadata_identical_on_every_rank_of_a_pool(refined_run, trace_gpt_dataset):
+def test_pool_metadata_identical_on_every_rank_of_a_pool(placed_run, trace_gpt_dataset):
     rows = {}
-    for rank, keys in enumerate(refined_run):
+    for rank, keys in enumerate(placed_run):
         for key in keys:
             assert key.pool_position == rank % POOL and len(key.pool_segments) == POOL
             rows.setdefault((key.window, key.ga_index, rank // POOL), {})[key.pool_position] = key
@@ -76,16 +76,16 @@ def test_pool_metadata_identical_on_every_rank_of_a_pool(refined_run, trace_gpt_
             assert list(first[p]) == gpt_sample_segments(trace_gpt_dataset, key.sample_index).tolist()
 
 
-def test_pool_segments_match_eod_scan_of_the_loaded_tokens(refined_run, trace_gpt_dataset):
-    for key in refined_run[1][::97]:
+def test_pool_segments_match_eod_scan_of_the_loaded_tokens(placed_run, trace_gpt_dataset):
+    for key in placed_run[1][::97]:
         tokens = trace_gpt_dataset[key.sample_index]["tokens"].numpy()
         assert list(key.pool_segments[key.pool_position]) == scan_eod_segments(tokens, TRACE_EOD).tolist()
 
 
-def test_vrsp_lowers_pool_imbalance_versus_contiguous(refined_run, trace_gpt_dataset):
+def test_vrsp_lowers_pool_imbalance_versus_contiguous(placed_run, trace_gpt_dataset):
     total = 800 * GBS
     contiguous = _all_ranks(trace_gpt_dataset, total=total, placement=SequencePlacement.CONTIGUOUS)
-    refined = [[k for k in keys if k.window < 800] for keys in refined_run]
+    refined = [[k for k in keys if k.window < 800] for keys in placed_run]
     def window_multisets(run):
         return sorted((k.window, k.sample_index) for keys in run for k in keys)
 
