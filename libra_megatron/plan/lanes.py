@@ -6,19 +6,24 @@ reduction, so at PP=1 the step waits for the heaviest lane *total* over its GA m
 heaviest pool instance of every GA step (what ``refined``/``alg1`` balance). With PP, each lane is a
 pipeline and uneven microbatches inside it also cost (bubbles).
 
-``place_for_sync(flops, layout)``:
+``place_for_sync(flops, layout)`` at PP=1:
   1. lanes: the GBS sequences are split into DP/P lanes of exactly GA*P sequences by Algorithm 1 (LPT with
      exact cardinality, ``place_sequences(flops, GA*P, ALG1)``), then swaps between the heaviest and the
      lightest lane, each the pair whose difference is nearest half the gap (sorted search, O(n log n) per
      swap), while they lower the heaviest lane; this balances lane totals;
   2. microbatches: each lane's GA*P sequences are split into its GA pool instances of P the same way
-     (Algorithm 1 into groups of P; with PP > 1 also heaviest/lightest swaps), which flattens the lane's
-     per-microbatch loads (at PP=1 they do not change the step, only lane totals do);
+     (Algorithm 1 into groups of P), which flattens the lane's per-microbatch loads (at PP=1 they do not
+     change the step, only lane totals do; a flat split helps TAP's placement);
   3. the order is emitted GA-major, pool-minor: pool k = g*DP/P + j is lane j's g-th instance, so it runs
      at GA step g on lane j (``plan.sequences.assign_to_ranks``);
   4. guard: the order is scored under the same model with pool time = pool FLOPs
      (ideal TAP) against Algorithm 1's per-instance order, which wins if it is strictly better
      (``plan.sync.pool_step_timing``).
+With PP > 1 the pool instances themselves are Algorithm 1's (already flat microbatches; a pool's simulated
+time is not proportional to its F when a long document floors it, so re-cutting pools by F alone can lose):
+they are dealt to lanes by exact-cardinality LPT over pool loads plus the same swaps, and each lane's
+microbatches are put in the order (as dealt, lightest first, heaviest first, lightest at both ends) whose
+pipeline is shortest under the proxy; the guard of step 4 follows.
 When an EP group ties lanes (``SyncLayout.ep_ties_lanes``), tied lanes wait for each other at every MoE
 layer, so balancing lane totals does not help: the per-instance ``refined`` order is used. Deterministic
 (stable sorts, fixed tie-breaks); the output is a permutation, so the step's sample multiset is kept.
@@ -29,7 +34,7 @@ import numpy as np
 
 from ..config import SequencePlacement
 from .sequences import place_sequences, pool_loads
-from .sync import SyncLayout, pool_step_timing
+from .sync import SyncLayout, pool_step_timing, run_lane_pipelines
 
 __all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds"]
 
@@ -56,7 +61,10 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
     if layout.ep_ties_lanes or layout.num_lanes == 1 or layout.num_microbatches == 1:
         # nothing to gain from lanes: tied, a single lane, or lanes == instances
         return place_sequences(flops, layout.pool_size, SequencePlacement.REFINED)
-    by_lanes = _lanes_then_microbatches(flops, layout)
+    if layout.pipeline_parallel_size > 1:
+        by_lanes = _instances_to_lanes(flops, layout)
+    else:
+        by_lanes = _lanes_then_microbatches(flops, layout)
     alg1 = place_sequences(flops, layout.pool_size, SequencePlacement.ALG1)
     if sync_proxy_seconds(flops, alg1, layout) < sync_proxy_seconds(flops, by_lanes, layout):
         return alg1
@@ -66,12 +74,37 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
 def _lanes_then_microbatches(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
     ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
     lane_members = _balanced_groups(flops, ga * pool, _LANE_SWAPS_PER_GROUP)  # [lanes, GA*P]
-    # at PP=1 only lane totals count (Algorithm 1 suffices inside a lane); with PP a few swaps flatten more
-    inner_swaps = _MICROBATCH_SWAPS_PER_GROUP if layout.pipeline_parallel_size > 1 else 0
     grid = np.empty((ga, lanes, pool), dtype=np.int64)
-    for lane, members in enumerate(lane_members):
-        grid[:, lane, :] = members[_balanced_groups(flops[members], pool, inner_swaps)]
+    for lane, members in enumerate(lane_members):  # at PP=1 only lane totals count: Algorithm 1 inside
+        grid[:, lane, :] = members[_balanced_groups(flops[members], pool, 0)]
     return grid.reshape(-1)
+
+
+def _order_microbatches(flops: np.ndarray, grid: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    """Per lane, the microbatch order (as placed, lightest first, heaviest first, or light at both ends) that
+    gives the shortest pipeline under the FLOPs proxy; the first of them on ties. ``grid`` [GA, lanes, P]."""
+    loads = flops[grid].sum(axis=2)  # [GA, lanes]
+    ga = loads.shape[0]
+    rising = np.argsort(loads, axis=0, kind="stable")
+    ends = np.empty_like(rising)  # lightest at both ends, heaviest in the middle
+    ends[: (ga + 1) // 2], ends[(ga + 1) // 2:] = rising[0::2], rising[1::2][::-1]
+    orders = [np.repeat(np.arange(ga)[:, None], loads.shape[1], axis=1), rising, rising[::-1], ends]
+    columns = np.concatenate([np.take_along_axis(loads, o, axis=0) for o in orders], axis=1)  # one simulation
+    spans = run_lane_pipelines(columns, layout).makespan.reshape(len(orders), -1)
+    best = spans.argmin(axis=0)  # [lanes]
+    chosen = np.stack([orders[b][:, lane] for lane, b in enumerate(best.tolist())], axis=1)  # [GA, lanes]
+    return np.take_along_axis(grid, chosen[:, :, None], axis=0)
+
+
+def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    """PP > 1: Algorithm 1's pool instances, dealt to lanes (exact-cardinality LPT over pool loads, then swaps)
+    and ordered inside each lane (``_order_microbatches``)."""
+    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    pools = place_sequences(flops, pool, SequencePlacement.ALG1).reshape(-1, pool)  # [K, P]
+    loads = flops[pools].sum(axis=1)
+    by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
+    grid = pools[by_lane.T]  # [GA, lanes, P]
+    return _order_microbatches(flops, grid, layout).reshape(-1)
 
 
 def _balanced_groups(flops: np.ndarray, group_size: int, swaps_per_group: int) -> np.ndarray:
@@ -82,7 +115,6 @@ def _balanced_groups(flops: np.ndarray, group_size: int, swaps_per_group: int) -
 
 
 _LANE_SWAPS_PER_GROUP = 8  # like plan.sequences: the loop almost always stops far earlier
-_MICROBATCH_SWAPS_PER_GROUP = 1  # inside a lane (PP > 1): keeps GBS=1024 within the 5 ms budget
 
 
 def _swap_heaviest_with_lightest(flops: np.ndarray, lanes: np.ndarray, max_swaps: int) -> np.ndarray:

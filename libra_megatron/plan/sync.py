@@ -38,7 +38,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["SyncLayout", "PipelineSchedule", "PipelineRun", "StepTiming", "pipeline_schedule", "step_timing", "pool_step_timing",
+__all__ = ["SyncLayout", "PipelineSchedule", "PipelineRun", "StepTiming", "pipeline_schedule", "step_timing", "pool_step_timing", "run_lane_pipelines",
            "lane_of_pool", "SIM_FLAGS"]
 
 SIM_FLAGS: Dict[str, str] = {  # SyncLayout field -> the simulator flag that sets it (error messages)
@@ -175,11 +175,10 @@ class PipelineSchedule:
         fwd, bwd = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
         duration = np.where(self.backward.reshape((-1,) + (1,) * (fwd.ndim - 2)),
                             bwd[self.microbatch, self.virtual], fwd[self.microbatch, self.virtual])
-        end = np.zeros_like(duration)
-        zero = np.zeros(duration.shape[1:])
-        for i in range(self.stage.size):
-            a, b = int(self.after_stage[i]), int(self.after_data[i])
-            end[i] = np.maximum(end[a] if a >= 0 else zero, end[b] if b >= 0 else zero) + duration[i]
+        end = np.zeros((duration.shape[0] + 1,) + duration.shape[1:])  # row -1 (the last) stays 0: "no op"
+        for i, (a, b) in enumerate(zip(self.after_stage.tolist(), self.after_data.tolist())):
+            end[i] = np.maximum(end[a], end[b]) + duration[i]
+        end = end[:-1]
         busy = np.stack([duration[self.stage == s].sum(axis=0) for s in range(self.num_stages)])
         return PipelineRun(end.max(axis=0), busy)
 
@@ -282,11 +281,11 @@ def pool_step_timing(pool_seconds, layout: SyncLayout) -> StepTiming:
     ties = layout.lane_ties()
     tied = np.zeros((layout.num_microbatches, int(ties.max()) + 1))
     np.maximum.at(tied.T, ties, pools.T)  # tied lanes advance at the max of their pools
-    run = _run_lanes(tied, layout)
+    run = run_lane_pipelines(tied, layout)
     return StepTiming(float(run.makespan.max()), run.makespan[ties], tied[:, ties], run.bubble_fraction[ties])
 
 
-def _run_lanes(microbatch_seconds: np.ndarray, layout: SyncLayout) -> PipelineRun:
+def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout) -> PipelineRun:
     """Pipeline every column of [GA, lanes] per-layer forward seconds (uniform stages, ``other_seconds`` added)."""
     pp, vpp = layout.pipeline_parallel_size, layout.virtual_pipeline_size
     fwd_stage = (microbatch_seconds + layout.other_seconds) / vpp  # [GA, lanes]
