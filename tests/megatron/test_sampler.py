@@ -93,6 +93,28 @@ def test_vrsp_lowers_pool_imbalance_versus_contiguous(placed_run, trace_gpt_data
     assert _pool_load_ratio(refined, POOL) < _pool_load_ratio(contiguous, POOL)
 
 
+def _lane_load_ratio(keys_by_rank, pool):
+    """Mean over windows of max/mean lane load: a lane (ranks r // P) summed over its GA steps (Eq. 4)."""
+    loads = defaultdict(lambda: defaultdict(float))
+    for rank, keys in enumerate(keys_by_rank):
+        for key in keys:
+            row = np.asarray(key.pool_segments[key.pool_position], dtype=np.float64)
+            loads[key.window][rank // pool] += float(np.dot(row, row))
+    return float(np.mean([max(v.values()) / np.mean(list(v.values())) for v in loads.values()]))
+
+
+def test_sync_placement_moves_sequences_between_ga_steps_and_balances_lane_totals(placed_run, trace_gpt_dataset):
+    """The default (sync) at DP=4, P=2, GBS=8: 2 lanes x 2 GA steps. Its lanes are better balanced than the
+    per-instance refined order's, and it runs sequences at other GA steps than the sampler order (which
+    runs window position n at GA step n // DP)."""
+    windows = 800
+    placed = [[k for k in keys if k.window < windows] for keys in placed_run]
+    refined = _all_ranks(trace_gpt_dataset, total=windows * GBS, placement=SequencePlacement.REFINED)
+    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(refined, POOL)
+    moved = sum(k.ga_index != (k.sample_index - k.window * GBS) // DP for keys in placed for k in keys)
+    assert moved > 0.1 * windows * GBS
+
+
 @pytest.fixture(scope="module")
 def short_single_run(trace_gpt_dataset):
     return _all_ranks(trace_gpt_dataset, total=50 * GBS + 5)
