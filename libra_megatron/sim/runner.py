@@ -13,11 +13,14 @@ inter-pool  R - 1 = max/mean - 1 of pool loads sum_i F_i (Eq. 2/4) for the conti
             ``workload.pool_lower_bound_counting`` (no grouping can beat it); ``eq3`` is Eq. 3 with the
             window's CV of F_i and D = GBS.
 intra-pool  max/mean - 1 of Eq. 6 worker loads after tile placement, mean over pool instances.
-straggler   per step, max over the DP*CP workers of compute + exposed comm (``cost``); a candidate's
+straggler   (per instance) per step, max over the DP*CP workers of compute + exposed comm (``cost``), as if
+            every pool waited for every other after each microbatch; a candidate's
             ``estimated_step_seconds`` is its mean over all steps of all windows -- the objective the
             recommendation minimises. ``straggler_vs_ulysses`` = sum of Libra step stragglers / sum of
             Ulysses step stragglers (< 1 is faster); ``straggler_vs_lower_bound`` divides by the
             perfectly balanced, communication-free step: window compute at peak rate / (GA*DP*CP).
+sync        the same pools under the synchronisation model (``sim.sync``, ``plan.sync``): lanes, EP ties,
+            pipelines (--pp/--vpp), DP at step end; ``sync_*``, ``lane_imbalance``, ``pipeline_bubble_fraction*``.
 bytes       per pool instance and layer forward (remote only), split Q / KV / O (``ExchangePlan`` totals).
 variants    tap       contiguous order + Algorithm 2 (Libra "TAP")
             tap_vrsp  Algorithm 1 + Algorithm 2 (Libra "TAP+VRSP", the paper's full placement)

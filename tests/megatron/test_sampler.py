@@ -202,3 +202,21 @@ def test_data_loader_yields_dataset_samples_with_pool_metadata(trace_gpt_dataset
             list(r) for r in key.pool_segments]
         assert batch["libra_pool_position"].tolist() == [3 % POOL] and batch["libra_window"].tolist() == [key.window]
         assert batch["libra_ga_index"].tolist() == [key.ga_index]
+
+
+def test_sync_layout_from_megatron_args_places_ep_groups_by_rank_order():
+    from libra_megatron.megatron.sampler import sync_layout_from_args
+
+    moe = argparse.Namespace(global_batch_size=128, micro_batch_size=1, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=None, tensor_model_parallel_size=4,
+                             context_parallel_size=8, num_experts=128, expert_model_parallel_size=32,
+                             expert_tensor_parallel_size=1)  # configs/qwen3-235b-a22b-256k.args at DP=8
+    layout = sync_layout_from_args(moe, 8, 8)
+    assert (layout.num_microbatches, layout.pipeline_parallel_size, layout.virtual_pipeline_size) == (16, 2, 1)
+    assert (layout.expert_parallel_size, layout.tensor_parallel_size) == (32, 4) and not layout.ep_ties_lanes
+    wide = argparse.Namespace(**{**vars(moe), "expert_model_parallel_size": 64, "context_parallel_size": 1,
+                                 "tensor_model_parallel_size": 1, "expert_tensor_parallel_size": None})
+    tied = sync_layout_from_args(wide, 128, 8)  # EP 64 over replicas of 1 GPU: 8 pools per EP group
+    assert tied.expert_tensor_parallel_size == 1 and tied.ep_ties_lanes
+    dense = argparse.Namespace(**{**vars(moe), "num_experts": None})
+    assert sync_layout_from_args(dense, 8, 8).expert_parallel_size == 1  # no experts: EP does not tie anything
