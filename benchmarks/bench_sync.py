@@ -1,7 +1,7 @@
 """Sync model and sync-aware VRSP on the shipped traces: per-instance and sync-model figures side by side,
 and the lane-balance floor checked from ``--dump-orders`` alone.
 
-Run:  .venv/bin/python benchmarks/bench_sync.py [--windows N] [--pp 1 2] [--jobs N]
+Run:  .venv/bin/python benchmarks/bench_sync.py [--windows N] [--pp 1 2] [--jobs N] [--traces PATH ...]
 
 Layout (issue 16's spike, the shipped knobs): dense Qwen3-8B attention (hq=32, hkv=8, d=128, bf16), 256K packed
 sequences, GBS=128, DP=32, CP=8 (= TP2 x CP4 of configs/qwen3-8b-256k.args on the attention path) -> 4 lanes x
@@ -103,12 +103,13 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=0, help="first N windows (default: all)")
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--traces", nargs="+", default=list(TRACES))
     args = parser.parse_args()
     rows = ["| trace | PP | per-instance ours | per-instance Alg. 1 | sync ours | sync Alg. 1 | sync sampler order | "
             "bubble ours / Alg. 1 / sampler | lane R-1 ours | lane R-1 LPT ref. | lane R-1 Alg. 1 |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
-        for trace in TRACES:
+        for trace in args.traces:
             for pp in args.pp:
                 json_path, dump_path = os.path.join(tmp, "out.json"), os.path.join(tmp, "orders.jsonl")
                 cmd = sim_command(trace, pp, args.windows, args.jobs, json_path, dump_path)
