@@ -105,10 +105,12 @@ def test_dp2_cp2_pool2_libra_matches_libra_without_vrsp_and_tap(cp2):
 
 
 def test_libra_really_reorders_and_moves_tiles_in_both_layouts(dp4, cp2):
-    """The parity above is not vacuous: VRSP changed some step's pool balance and TAP moved KV bytes."""
-    for run in (dp4["libra"], cp2["libra"]):
+    """The parity above is not vacuous: VRSP changed some step's balance and TAP moved KV bytes. The default sync
+    placement balances lanes (DP=4, P=2: two lanes; pools inside a lane are cut like with like, so the
+    per-instance R-1 may rise); with one lane (DP=2, P=2) it is the per-instance refined placement."""
+    for run, balanced in ((dp4["libra"], "lane_r1"), (cp2["libra"], "inter_pool_r1")):
         s = run.scalars
-        assert any(s["libra/inter_pool_r1_after"][it] < s["libra/inter_pool_r1_before"][it] for it in ITERATIONS)
+        assert any(s[f"libra/{balanced}_after"][it] < s[f"libra/{balanced}_before"][it] for it in ITERATIONS)
         assert any(s["libra/bytes_kv"][it] > 0 for it in ITERATIONS)
         assert any(s["libra/intra_pool_max_over_mean_placed"][it] < s["libra/intra_pool_max_over_mean_home"][it]
                    for it in ITERATIONS)
