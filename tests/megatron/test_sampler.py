@@ -82,15 +82,22 @@ def test_pool_segments_match_eod_scan_of_the_loaded_tokens(placed_run, trace_gpt
         assert list(key.pool_segments[key.pool_position]) == scan_eod_segments(tokens, TRACE_EOD).tolist()
 
 
-def test_vrsp_lowers_pool_imbalance_versus_contiguous(placed_run, trace_gpt_dataset):
+@pytest.fixture(scope="module")
+def refined_run_800(trace_gpt_dataset):
+    return _all_ranks(trace_gpt_dataset, total=800 * GBS, placement=SequencePlacement.REFINED)
+
+
+def test_vrsp_lowers_pool_imbalance_versus_contiguous(placed_run, refined_run_800, trace_gpt_dataset):
+    """Per instance for refined; per lane for the default (sync), which cuts a lane's pools like with like."""
     total = 800 * GBS
     contiguous = _all_ranks(trace_gpt_dataset, total=total, placement=SequencePlacement.CONTIGUOUS)
-    refined = [[k for k in keys if k.window < 800] for keys in placed_run]
+    placed = [[k for k in keys if k.window < 800] for keys in placed_run]
     def window_multisets(run):
         return sorted((k.window, k.sample_index) for keys in run for k in keys)
 
-    assert window_multisets(contiguous) == window_multisets(refined)  # same steps, different grouping
-    assert _pool_load_ratio(refined, POOL) < _pool_load_ratio(contiguous, POOL)
+    assert window_multisets(contiguous) == window_multisets(refined_run_800) == window_multisets(placed)
+    assert _pool_load_ratio(refined_run_800, POOL) < _pool_load_ratio(contiguous, POOL)
+    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(contiguous, POOL)
 
 
 def _lane_load_ratio(keys_by_rank, pool):
@@ -103,14 +110,13 @@ def _lane_load_ratio(keys_by_rank, pool):
     return float(np.mean([max(v.values()) / np.mean(list(v.values())) for v in loads.values()]))
 
 
-def test_sync_placement_moves_sequences_between_ga_steps_and_balances_lane_totals(placed_run, trace_gpt_dataset):
+def test_sync_placement_moves_sequences_between_ga_steps_and_balances_lane_totals(placed_run, refined_run_800):
     """The default (sync) at DP=4, P=2, GBS=8: 2 lanes x 2 GA steps. Its lanes are better balanced than the
     per-instance refined order's, and it runs sequences at other GA steps than the sampler order (which
     runs window position n at GA step n // DP)."""
     windows = 800
     placed = [[k for k in keys if k.window < windows] for keys in placed_run]
-    refined = _all_ranks(trace_gpt_dataset, total=windows * GBS, placement=SequencePlacement.REFINED)
-    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(refined, POOL)
+    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(refined_run_800, POOL)
     moved = sum(k.ga_index != (k.sample_index - k.window * GBS) // DP for keys in placed for k in keys)
     assert moved > 0.1 * windows * GBS
 
