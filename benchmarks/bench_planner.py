@@ -1,7 +1,7 @@
 """Planner latency on this machine vs the budgets of the issue (medians over real-trace pools).
 
 Run:  .venv/bin/python benchmarks/bench_planner.py [--pools N] [--reps R] [--cpu] [--modes paper ours]
-                                                   [--gc auto|manual]
+                                                   [--gc auto|manual] [--vrsp-only]
 
 Per pool (P=8, zigzag, tau=0.03, paper microbench heads, linux-6.12 and wikipedia traces packed
 Megatron-style), for the paper's tiles (uniform blocks, whole-group KV fetch) and ours (adaptive blocks,
@@ -14,7 +14,8 @@ on a GPU this is device work at the first use of the plan).
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
   256K / 1M: CP=8 / 16, B=4096, H=2, Qwen3-30B-A3B hq=32 hkv=4 d=128 (the shipped configs)  budget 20 / 50 ms
-VRSP: place_sequences at GBS=1024 (Alg. 1 and refined)   budget 5 ms
+VRSP: place_sequences at GBS=1024 (Alg. 1, refined, and sync at DP 32-256, PP 1-8)   budget 5 ms
+(`--vrsp-only` runs just these)
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_balance import pack  # noqa: E402
+from libra_megatron.plan.sync import SyncLayout  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.config import KvFetch, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
@@ -153,12 +155,20 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
               f"{'  OK' if total <= budget else '  OVER'}{med['expand']:>9.2f}{max(times['gc']):>8.1f}")
 
 
+SYNC_LAYOUTS = ((32, 1), (64, 1), (128, 1), (256, 1), (32, 2), (64, 4), (128, 4), (256, 8))  # (DP, PP) at GBS 1024
+
+
 def bench_vrsp(flops, reps):
     gbs = 1024
     flops = np.resize(flops, gbs)  # the trace's first 1024 sequences (wrapped if shorter)
     for method in (SequencePlacement.ALG1, SequencePlacement.REFINED):
         ms = [timed(place_sequences, flops, POOL_SIZE, method)[1] for _ in range(reps)]
         print(f"VRSP {method.value:<8} GBS={gbs} P={POOL_SIZE}: median {np.median(ms):.2f} ms "
+              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
+    for dp, pp in SYNC_LAYOUTS:  # sync: lanes of P replicas over GA = GBS/DP steps (plan/lanes.py)
+        layout = SyncLayout(dp, POOL_SIZE, gbs // dp, pipeline_parallel_size=pp)
+        ms = [timed(place_sequences, flops, POOL_SIZE, SequencePlacement.SYNC, layout)[1] for _ in range(reps)]
+        print(f"VRSP sync     GBS={gbs} P={POOL_SIZE} DP={dp} GA={gbs // dp} PP={pp}: median {np.median(ms):.2f} ms "
               f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
 
 
@@ -169,6 +179,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="time with process CPU time instead of wall clock")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="paper: uniform tiles + group fetch; ours: adaptive tiles + prefix fetch (the defaults)")
+    parser.add_argument("--vrsp-only", action="store_true", help="only the VRSP timings (no pool plans)")
     parser.add_argument("--gc", choices=["auto", "manual"], default="auto",
                         help="auto: Python's garbage collector as is; manual: off, collected between pools "
                              "(Megatron's --manual-gc)")
@@ -188,7 +199,7 @@ def main() -> None:
           f"medians; rank = slowest of {RANK_SAMPLES} ranks' RankPlan + run tables; total = build + place + exch + "
           f"rank; expand = slowest torch CPU expansion of those ranks' tables, training thread, not in total; gc max = "
           f"the most full-GC time inside one pool's timed work)")
-    for case in CASES:
+    for case in () if args.vrsp_only else CASES:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)
     bench_vrsp(sequence_flops(segs_by_trace["linux"][256 * 1024]), 20 * args.reps)

@@ -40,6 +40,8 @@ class SequencePlacement(str, enum.Enum):
     CONTIGUOUS = "contiguous"  # sampler order, no balancing (VRSP off)
     ALG1 = "alg1"  # the paper's exact-cardinality LPT, Algorithm 1
     REFINED = "refined"  # Algorithm 1 followed by pairwise-swap refinement; never worse than ALG1
+    SYNC = "sync"  # balance what the step waits for: lane totals, then each lane's microbatches (plan.lanes);
+    # per instance (REFINED) where an EP group ties lanes
 
 
 class TilePlacement(str, enum.Enum):
@@ -148,8 +150,9 @@ class LibraConfig:
     """M: Pipeliner head chunks per tile (§4.4). M | num_attention_heads/H. Paper default 4."""
     tau: float = 0.03
     """Load slack of Algorithm 2: target C = (1+tau)*mean worker load. Paper default 0.03."""
-    sequence_placement: SequencePlacement = SequencePlacement.REFINED
-    """Inter-pool placement of packed sequences: contiguous | alg1 | refined."""
+    sequence_placement: SequencePlacement = SequencePlacement.SYNC
+    """Inter-pool placement of packed sequences: contiguous | alg1 | refined | sync (balance lane totals and
+    each lane's microbatches, per instance where EP ties lanes; ``plan.lanes``)."""
     tile_placement: TilePlacement = TilePlacement.ALG2
     """Intra-pool SH-Tile placement: home | alg2 | refined."""
     packing: PackingMode = PackingMode.MEGATRON

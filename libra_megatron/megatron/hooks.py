@@ -422,8 +422,7 @@ def _packed_seq_params(cls: Any, qkv_format: str, batch: dict, plan: Any, pool_s
 
 
 def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
-    """Inter-pool R-1 (Eq. 4 workloads) of the last trained window, sampler order vs VRSP order."""
-    from ..plan.sequences import place_sequences
+    """Inter-pool and lane R-1 (Eq. 4 workloads) of the last trained window, sampler order vs VRSP order."""
     from ..plan.workload import sequence_flops
     from .metrics import inter_pool_metrics
 
@@ -432,8 +431,8 @@ def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
         return {}
     indices = sampler.window_indices(window)
     segments = [np.asarray(sampler.segments_fn(sampler.dataset, int(i)), dtype=np.int64) for i in indices]
-    order = place_sequences(sequence_flops(segments), sampler.pool_size, sampler.sequence_placement)
-    return inter_pool_metrics(segments, order, sampler.pool_size)
+    order = sampler.placement_order(sequence_flops(segments))
+    return inter_pool_metrics(segments, order, sampler.pool_size, sampler.data_parallel_size)
 
 
 def _planner_metrics(planner: Any) -> dict:

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..plan.lanes import lane_loads
 from ..plan.placement import worker_loads
 from ..plan.sequences import pool_loads
 from ..plan.workload import imbalance, sequence_flops
@@ -22,18 +23,25 @@ __all__ = ["inter_pool_metrics", "pool_plan_metrics", "aggregate_pool_metrics", 
 logger = logging.getLogger(__name__)
 
 
-def inter_pool_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int) -> Dict[str, float]:
-    """Inter-pool R-1 of one optimizer-step window, sampler order (before) vs VRSP order (after).
+def inter_pool_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int,
+                       data_parallel_size: Optional[int] = None) -> Dict[str, float]:
+    """Inter-pool R-1 of one optimizer-step window, sampler order (before) vs VRSP order (after); with
+    ``data_parallel_size`` also the lane R-1 (``plan.lanes.lane_loads``: each lane's sum over its GA steps).
 
     window_segments[i]: raw-sample lengths of the i-th packed sequence in *sampler* order (GBS entries).
     order: the VRSP permutation (pool k = order[k*P:(k+1)*P]).
     """
     flops = sequence_flops(window_segments)
     contiguous = np.arange(flops.size, dtype=np.int64)
-    return {
+    order = np.asarray(order, dtype=np.int64)
+    out = {
         "inter_pool_r1_before": imbalance(pool_loads(flops, contiguous, pool_size)),
-        "inter_pool_r1_after": imbalance(pool_loads(flops, np.asarray(order, dtype=np.int64), pool_size)),
+        "inter_pool_r1_after": imbalance(pool_loads(flops, order, pool_size)),
     }
+    if data_parallel_size is not None:
+        out["lane_r1_before"] = imbalance(lane_loads(flops, contiguous, data_parallel_size, pool_size))
+        out["lane_r1_after"] = imbalance(lane_loads(flops, order, data_parallel_size, pool_size))
+    return out
 
 
 def pool_plan_metrics(pool_plan: Any, planner_latency_s: Optional[float] = None) -> Dict[str, float]:

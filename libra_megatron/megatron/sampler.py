@@ -9,8 +9,9 @@ current epoch and advances ``consumed_samples`` (Megatron's cyclic_iter calls it
 rank computes the same windows: there is no per-rank data sharding (VRSP needs the global window).
 
 Placement. For each window every rank reads the segment lengths of all GBS samples (metadata only,
-``segments_fn``), computes Eq. 4 workloads and runs ``place_sequences`` (Algorithm 1, refined or
-identity): a permutation ``order`` in GA-major, pool-minor order. Position ``n`` of the window runs at
+``segments_fn``), computes Eq. 4 workloads and runs ``place_sequences`` (sync -- lane totals and each
+lane's microbatches under the step's ``plan.sync.SyncLayout`` --, Algorithm 1, refined or identity): a
+permutation ``order`` in GA-major, pool-minor order. Position ``n`` of the window runs at
 GA index ``n // DP`` on DP rank ``n % DP`` (mbs = 1), so pool ``k = n // P`` holds positions
 ``[k*P, (k+1)*P)`` and DP rank r sits at pool position ``p = r % P`` (Fig. 7). The window's multiset
 of samples is preserved (a permutation).
@@ -37,6 +38,7 @@ import torch
 
 from ..config import SequencePlacement
 from ..plan.sequences import place_sequences
+from ..plan.sync import SyncLayout
 from ..plan.workload import sequence_flops
 from .segments import gpt_sample_segments
 
@@ -46,6 +48,7 @@ __all__ = [
     "LibraGlobalBatchSampler",
     "LibraPoolDataset",
     "build_libra_data_loader",
+    "sync_layout_from_args",
     "encode_pool_segments",
     "decode_pool_segments",
 ]
@@ -81,9 +84,10 @@ class LibraGlobalBatchSampler:
 
     def __init__(self, dataset: Any, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  global_batch_size: int, data_parallel_rank: int, data_parallel_size: int, pool_size: int,
-                 sequence_placement=SequencePlacement.REFINED, dataloader_type: str = "single", seed: int = 1234,
+                 sequence_placement=SequencePlacement.SYNC, dataloader_type: str = "single", seed: int = 1234,
                  segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments,
-                 on_window_planned: Optional[WindowListener] = None) -> None:
+                 on_window_planned: Optional[WindowListener] = None,
+                 sync_layout: Optional[SyncLayout] = None) -> None:
         _check_sampler_args(total_samples, consumed_samples, micro_batch_size, global_batch_size,
                             data_parallel_rank, data_parallel_size, pool_size, dataloader_type)
         self.dataset = dataset
@@ -99,6 +103,9 @@ class LibraGlobalBatchSampler:
         self.segments_fn = segments_fn
         self.on_window_planned = on_window_planned
         self.windows_per_epoch = self.total_samples // self.global_batch_size
+        # what the sync placement balances; without one: PP=1, EP inside a replica (lanes of P replicas)
+        self.sync_layout = sync_layout or SyncLayout(self.data_parallel_size, self.pool_size, self.num_ga)
+        _check_sync_layout(self.sync_layout, self)
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
 
     def __len__(self) -> int:
@@ -130,8 +137,12 @@ class LibraGlobalBatchSampler:
         """VRSP for one window: segments of its GBS samples, Eq. 4 workloads, ``place_sequences`` order."""
         indices = self.window_indices(window)
         segments = [np.asarray(self.segments_fn(self.dataset, int(i)), dtype=np.int64) for i in indices]
-        order = place_sequences(sequence_flops(segments), self.pool_size, self.sequence_placement)
+        order = self.placement_order(sequence_flops(segments))
         return WindowPlan(window, indices[order], tuple(segments[i] for i in order))
+
+    def placement_order(self, flops) -> np.ndarray:
+        """The window's run order (``place_sequences`` with this sampler's method and sync layout)."""
+        return place_sequences(flops, self.pool_size, self.sequence_placement, self.sync_layout)
 
     def keys_for_window(self, plan: WindowPlan, first_ga: int = 0) -> List[LibraSampleKey]:
         """This rank's keys for GA indices ``first_ga ..`` of a planned window."""
@@ -166,6 +177,13 @@ class LibraGlobalBatchSampler:
                 if self.dataloader_type == "cyclic":
                     self.consumed_samples += self.data_parallel_size
                 yield [key]
+
+
+def _check_sync_layout(layout: SyncLayout, sampler: "LibraGlobalBatchSampler") -> None:
+    got = (layout.data_parallel_size, layout.pool_size, layout.num_microbatches)
+    want = (sampler.data_parallel_size, sampler.pool_size, sampler.num_ga)
+    if got != want:
+        raise ValueError(f"the sync layout's (DP, P, GA) {got} differs from the sampler's {want}")
 
 
 def _check_sampler_args(total, consumed, mbs, gbs, dp_rank, dp, pool, loader) -> None:
@@ -258,10 +276,40 @@ def build_libra_data_loader(dataset: Any, consumed_samples: int, args: Any, *, c
         dataset, len(dataset), consumed_samples, args.micro_batch_size, args.global_batch_size,
         data_parallel_rank, data_parallel_size, config.pool_size, config.sequence_placement,
         getattr(args, "dataloader_type", None) or "single", getattr(args, "seed", 1234), segments_fn,
-        on_window_planned,
+        on_window_planned, sync_layout_from_args(args, data_parallel_size, config.pool_size),
     )
     workers = int(getattr(args, "num_workers", 0) or 0)
     return torch.utils.data.DataLoader(
         LibraPoolDataset(dataset), batch_sampler=sampler, num_workers=workers,
         pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+    )
+
+
+_MEGATRON_FLAGS = {
+    "data_parallel_size": "the data-parallel size", "pool_size": "--libra-pool-size",
+    "num_microbatches": "--global-batch-size / DP", "pipeline_parallel_size": "--pipeline-model-parallel-size",
+    "virtual_pipeline_size": "--num-layers-per-virtual-pipeline-stage", "tensor_parallel_size": "--tensor-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size", "expert_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size", "backward_ratio": "backward_ratio",
+    "other_seconds": "other_seconds",
+}
+
+
+def sync_layout_from_args(args: Any, data_parallel_size: int, pool_size: int) -> SyncLayout:
+    """The step's synchronisation layout from Megatron args: PP, VPP (``virtual_pipeline_model_parallel_size``),
+    TP, CP, and EP/ETP when the model has experts (ETP defaults to TP, as Megatron's ``validate_args`` does)."""
+    def size(name: str, default: int = 1) -> int:
+        return int(getattr(args, name, None) or default)
+
+    tp = size("tensor_model_parallel_size")
+    moe = getattr(args, "num_experts", None)
+    return SyncLayout(
+        data_parallel_size=int(data_parallel_size), pool_size=int(pool_size),
+        num_microbatches=int(args.global_batch_size) // (int(data_parallel_size) * size("micro_batch_size")),
+        pipeline_parallel_size=size("pipeline_model_parallel_size"),
+        virtual_pipeline_size=size("virtual_pipeline_model_parallel_size"), tensor_parallel_size=tp,
+        context_parallel_size=size("context_parallel_size"),
+        expert_parallel_size=size("expert_model_parallel_size") if moe else 1,
+        expert_tensor_parallel_size=size("expert_tensor_parallel_size", tp) if moe else 1,
+        flags=_MEGATRON_FLAGS,
     )

@@ -11,6 +11,9 @@ Methods (``SequencePlacement``):
   REFINED     ALG1, then pairwise swaps between the heaviest pool and one of the 16 lightest pools
               while they lower the heaviest load (steepest descent on the pair maximum). Never worse
               than ALG1; on the shared traces within 0.01-0.03 pp of ``pool_lower_bound_counting``.
+  SYNC        balance what the step waits for under ``plan.sync`` (lane totals, then each lane's
+              microbatches): ``plan.lanes.place_for_sync``. It needs the step's ``SyncLayout``; without one
+              (a single GA step: lanes are the instances) it is REFINED.
 """
 from __future__ import annotations
 
@@ -130,18 +133,26 @@ _PLACERS: Dict[SequencePlacement, Callable[[np.ndarray, int], np.ndarray]] = {
     SequencePlacement.CONTIGUOUS: _place_contiguous,
     SequencePlacement.ALG1: _place_alg1,
     SequencePlacement.REFINED: _place_refined,
+    SequencePlacement.SYNC: _place_refined,  # without a layout: one GA step, lanes are the instances
 }
 
 
-def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED) -> np.ndarray:
+def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, layout=None) -> np.ndarray:
     """VRSP: a permutation of ``range(GBS)`` in GA-major, pool-minor order (pool k = order[k*P:(k+1)*P]).
 
-    ``flops``: float64 (GBS,) Eq. 4 workloads. ``pool_size``: P, must divide GBS. Deterministic.
-    Returns int64 (GBS,).
+    ``flops``: float64 (GBS,) Eq. 4 workloads. ``pool_size``: P, must divide GBS. ``layout``: the step's
+    ``plan.sync.SyncLayout`` (read by SYNC only; its pool size must be P). Deterministic. Returns int64 (GBS,).
     """
     flops = _as_flops(flops)
     _check_pool_split(flops.size, pool_size)
-    return _PLACERS[SequencePlacement(method)](flops, pool_size)
+    method = SequencePlacement(method)
+    if method is SequencePlacement.SYNC and layout is not None:
+        from .lanes import place_for_sync  # lanes builds on this module
+
+        if layout.pool_size != pool_size:
+            raise ValueError(f"the sync layout's pool size {layout.pool_size} differs from pool_size (P) {pool_size}")
+        return place_for_sync(flops, layout)
+    return _PLACERS[method](flops, pool_size)
 
 
 def assign_to_ranks(order, data_parallel_size: int, pool_size: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -36,6 +36,7 @@ from ..plan.traces import load_traces
 from .cost import CalibrationTable, CostModel
 from .report import ProgressBar, format_table
 from .runner import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs, run_simulation
+from .sync import format_sync
 
 __all__ = ["build_parser", "spec_from_args", "check_outputs", "run", "main"]
 
@@ -74,6 +75,19 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
                    help="refuse a run whose packing is estimated to need more memory than this")
 
 
+def _add_sync_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("synchronisation model (sim/sync.py: who waits for whom in a step)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages; each lane of P replicas runs 1F1B")
+    g.add_argument("--vpp", type=int, default=1, help="model chunks per stage (> 1: Megatron's interleaved schedule)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only places EP groups by rank order)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel size (EP groups across lanes tie them)")
+    g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
+    g.add_argument("--backward-ratio", type=float, default=2.0, help="backward seconds / forward seconds")
+    g.add_argument("--other-seconds", type=float, default=0.0,
+                   help="non-attention forward seconds per microbatch and stage, in the per-layer unit of the "
+                        "attention times (equal for every packed sequence; 0: attention only)")
+
+
 def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Libra grid and knobs")
     _grid_option(g, "--pool-size", int, [8], "P values (each divides --dp)")
@@ -88,8 +102,8 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
                    grid=True)
     _choice_option(g, "--token-layout", TokenLayoutKind, TokenLayoutKind.ZIGZAG,
                    "CP token layout of a packed sequence: zigzag (Megatron's 2*CP chunks) or contiguous")
-    _choice_option(g, "--sequence-placement", SequencePlacement, SequencePlacement.REFINED,
-                   "inter-pool placement of the 'libra' variant")
+    _choice_option(g, "--sequence-placement", SequencePlacement, SimSpec.sequence_placement,
+                   "inter-pool placement of the 'libra' variant (sync: lane totals under the sync model)")
     _choice_option(g, "--tile-placement", TilePlacement, TilePlacement.ALG2,
                    "intra-pool tile placement of the 'libra' and DistCA variants")
     g.add_argument("--wlb-cap-factor", type=float, default=1.25,
@@ -120,6 +134,9 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output (written only when the run succeeds)")
     g.add_argument("--json", default=None, metavar="PATH",
                    help="write the full report as JSON (the folder must exist; an existing file is replaced)")
+    g.add_argument("--dump-orders", default=None, metavar="PATH",
+                   help="write JSON lines, one per window (and P): dp, pool_size, ga, seq_docs (document lengths "
+                        "of every packed sequence, sampler order) and the placed order")
     g.add_argument("--plots", default=None, metavar="DIR",
                    help="write PNG plots into DIR (created at the end if missing; its parent must exist)")
     g.add_argument("--jobs", type=int, default=1, metavar="N", help="simulate windows in N processes, N <= CPUs (same results)")
@@ -131,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=TOOL, description=__doc__.splitlines()[0], allow_abbrev=False,
                             formatter_class=DefaultsHelpFormatter)
     _add_workload_args(parser)
+    _add_sync_args(parser)
     _add_libra_args(parser)
     _add_model_args(parser)
     _add_cost_args(parser)
@@ -172,7 +190,9 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         token_layout=TokenLayoutKind(args.token_layout), sequence_placement=SequencePlacement(args.sequence_placement),
         tile_placement=TilePlacement(args.tile_placement), packing=PackingMode(args.packing), seed=args.seed,
         max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
-        memory_limit_gib=args.memory_limit_gib,
+        memory_limit_gib=args.memory_limit_gib, pipeline_parallel_size=args.pp, virtual_pipeline_size=args.vpp,
+        tensor_parallel_size=args.tp, expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
+        backward_ratio=args.backward_ratio, other_seconds=args.other_seconds, dump_orders=args.dump_orders is not None,
     ).validate()
 
 
@@ -180,6 +200,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """``--json`` and ``--plots`` can be written (and matplotlib is there for plots); creates nothing."""
     if args.json is not None:
         check_output_file(args.json, f"--json {args.json}")
+    if args.dump_orders is not None:
+        check_output_file(args.dump_orders, f"--dump-orders {args.dump_orders}")
     if args.plots is not None:
         check_output_dir(args.plots, f"--plots {args.plots}")
         if importlib.util.find_spec("matplotlib") is None:
@@ -199,6 +221,9 @@ def _write_outputs(args: argparse.Namespace, result, report: dict) -> None:
         text = json.dumps(report, indent=1)
         with open(args.json, "w", encoding="utf-8") as handle:
             handle.write(text)
+    if args.dump_orders:
+        with open(args.dump_orders, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(line) + "\n" for line in result.orders_dump)
     if args.plots:
         from .plots import write_plots  # lazy: matplotlib only when asked
 
@@ -217,6 +242,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     report = result.to_json()
     report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]
     print(format_table(report))
+    print(format_sync(next(c for c in report["candidates"] if all(c[k] == report["recommended"][k]
+                                                                  for k in ("pool_size", "head_split", "block_size",
+                                                                            "tau", "num_chunks", "tiling", "kv_fetch")))))
     _write_outputs(args, result, report)
     return 0
 

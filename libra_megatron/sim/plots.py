@@ -7,6 +7,7 @@ speedup_heatmap.png       estimated speedup over Ulysses (sum of Ulysses step st
                           the B x H grid, one panel per P.
 worst_step_loads.png      per-worker seconds (compute + exposed comm) of the recommended candidate's
                           slowest step next to Ulysses on the same window and step.
+lanes_and_microbatches.png  the sync model's per-lane and per-microbatch view (``sim.sync_plots``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Dict, List
 import numpy as np
 
 from ..plan.workload import clt_expected_imbalance
+from .sync_plots import plot_lanes_and_microbatches
 
 __all__ = ["write_plots"]
 
@@ -117,11 +119,11 @@ def _plot_worst(plt, report: Dict, path: str) -> None:
 
 
 def write_plots(result, report: Dict, out_dir: str) -> List[str]:
-    """Write the three PNGs into ``out_dir`` (created if needed); returns their paths."""
+    """Write the four PNGs into ``out_dir`` (created if needed); returns their paths."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, n) for n in ("inter_pool_imbalance.png", "speedup_heatmap.png", "worst_step_loads.png")]
     _plot_inter(plt, report, float(np.mean(result.window_cv)), paths[0])
     _plot_heatmap(plt, report, paths[1])
     _plot_worst(plt, report, paths[2])
-    return paths
+    return paths + [plot_lanes_and_microbatches(plt, result, report, out_dir)]

@@ -13,11 +13,14 @@ inter-pool  R - 1 = max/mean - 1 of pool loads sum_i F_i (Eq. 2/4) for the conti
             ``workload.pool_lower_bound_counting`` (no grouping can beat it); ``eq3`` is Eq. 3 with the
             window's CV of F_i and D = GBS.
 intra-pool  max/mean - 1 of Eq. 6 worker loads after tile placement, mean over pool instances.
-straggler   per step, max over the DP*CP workers of compute + exposed comm (``cost``); a candidate's
+straggler   (per instance) per step, max over the DP*CP workers of compute + exposed comm (``cost``), as if
+            every pool waited for every other after each microbatch; a candidate's
             ``estimated_step_seconds`` is its mean over all steps of all windows -- the objective the
             recommendation minimises. ``straggler_vs_ulysses`` = sum of Libra step stragglers / sum of
             Ulysses step stragglers (< 1 is faster); ``straggler_vs_lower_bound`` divides by the
             perfectly balanced, communication-free step: window compute at peak rate / (GA*DP*CP).
+sync        the same pools under the synchronisation model (``sim.sync``, ``plan.sync``): lanes, EP ties,
+            pipelines (--pp/--vpp), DP at step end; ``sync_*``, ``lane_imbalance``, ``pipeline_bubble_fraction*``.
 bytes       per pool instance and layer forward (remote only), split Q / KV / O (``ExchangePlan`` totals).
 variants    tap       contiguous order + Algorithm 2 (Libra "TAP")
             tap_vrsp  Algorithm 1 + Algorithm 2 (Libra "TAP+VRSP", the paper's full placement)
@@ -39,10 +42,12 @@ from ..config import KvFetch, LibraConfig, PackingMode, SequencePlacement, TileP
 from ..plan.layout import TokenLayout
 from ..plan.packing import num_packed_upper_bound, pack_documents, packing_memory_bytes
 from ..plan.sequences import place_sequences, pool_loads
+from ..plan.sync import SyncLayout
 from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
 from .cost import CostModel
 from .pools import PoolEvaluator, PoolKnobs, PoolResult
+from .sync import SyncAccum, describe_layout, score_orders
 
 __all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "check_run_cost", "check_jobs",
            "MODEL_PRESETS", "DTYPE_BYTES", "MIN_SEQ_LEN", "MAX_TILES_PER_POOL"]
@@ -91,7 +96,7 @@ class SimSpec:
     tilings: Tuple[TilingPolicy, ...] = (TilingPolicy.ADAPTIVE,)  # --tiling
     kv_fetches: Tuple[KvFetch, ...] = (KvFetch.PREFIX,)  # --kv-fetch
     token_layout: TokenLayoutKind = TokenLayoutKind.ZIGZAG
-    sequence_placement: SequencePlacement = SequencePlacement.REFINED
+    sequence_placement: SequencePlacement = SequencePlacement.SYNC
     tile_placement: TilePlacement = TilePlacement.ALG2
     packing: PackingMode = PackingMode.MEGATRON
     seed: int = 1234
@@ -99,11 +104,27 @@ class SimSpec:
     wlb_cap_factor: float = 1.25
     distca: bool = True
     memory_limit_gib: float = 2.0  # packing is refused when ``packing_memory_bytes`` estimates more
+    # the synchronisation model (sim/sync.py): --pp, --vpp, --tp, --ep, --etp, --backward-ratio, --other-seconds
+    pipeline_parallel_size: int = 1
+    virtual_pipeline_size: int = 1
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    backward_ratio: float = 2.0
+    other_seconds: float = 0.0
+    dump_orders: bool = False  # keep every window's placed order for --dump-orders
 
     @property
     def num_steps(self) -> int:
         """GA steps per window: GBS / DP."""
         return self.global_batch_size // self.data_parallel_size
+
+    def sync_layout(self, pool_size: int) -> SyncLayout:
+        """The step's synchronisation layout at pool size ``pool_size`` (ValueError names the flag)."""
+        return SyncLayout(self.data_parallel_size, pool_size, self.num_steps, self.pipeline_parallel_size,
+                          self.virtual_pipeline_size, self.tensor_parallel_size, self.context_parallel_size,
+                          self.expert_parallel_size, self.expert_tensor_parallel_size, self.backward_ratio,
+                          self.other_seconds)
 
     def validate(self) -> "SimSpec":
         _validate_spec(self)
@@ -175,6 +196,8 @@ def _validate_grid(spec: SimSpec) -> None:
         _finite(tau, "--tau", ">= 0", lambda v: v >= 0)
     _validate_heads(spec)
     _validate_tile_counts(spec)
+    for p in spec.pool_sizes:
+        spec.sync_layout(p)
 
 
 def _validate_tile_counts(spec: SimSpec) -> None:
@@ -273,6 +296,7 @@ class Candidate:
     steps: Dict[str, _Steps] = field(default_factory=lambda: {k: _Steps() for k in VARIANTS + ("distca",)})
     lower_bound: List[float] = field(default_factory=list)
     worst: Optional[WorstStep] = None
+    sync: SyncAccum = field(default_factory=SyncAccum)
 
     @property
     def knobs(self) -> PoolKnobs:
@@ -283,7 +307,7 @@ class Candidate:
     def estimated_step_seconds(self) -> float:
         return float(np.mean(self.steps["libra"].seconds))
 
-    def to_json(self, ulysses: _Steps) -> Dict[str, object]:
+    def to_json(self, ulysses: _Steps, layout: SyncLayout) -> Dict[str, object]:
         libra = np.asarray(self.steps["libra"].seconds)
         bytes_mean = np.asarray(self.bytes_qkvo, dtype=np.float64).mean(axis=0)
         baselines = {k: self.steps[k].summary(ulysses) for k in ("tap", "tap_vrsp", "distca") if self.steps[k].seconds}
@@ -302,6 +326,7 @@ class Candidate:
             "estimated_step_seconds": self.estimated_step_seconds,
             "max_step_seconds": float(libra.max()),
             "baselines": baselines,
+            **self.sync.to_json(layout),
         }
 
 
@@ -381,6 +406,7 @@ class _Window:
 
     index: int
     ids: np.ndarray  # corpus sequence ids, sampler order
+    flops: np.ndarray  # their Eq. 4 workloads
     ulysses_seq_seconds: np.ndarray  # (GBS,)
     lower_bound_step: float
 
@@ -391,7 +417,7 @@ def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
     heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
     uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
     lb = float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / (spec.num_steps * dp * cp)
-    return _Window(w, ids, uly, lb)
+    return _Window(w, ids, corpus.flops[ids], uly, lb)
 
 
 def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
@@ -422,7 +448,7 @@ def _orders(flops: np.ndarray, pool_size: int, spec: SimSpec) -> Dict[str, np.nd
     return {
         "contiguous": place_sequences(flops, pool_size, SequencePlacement.CONTIGUOUS),
         "alg1": place_sequences(flops, pool_size, SequencePlacement.ALG1),
-        "placed": place_sequences(flops, pool_size, spec.sequence_placement),
+        "placed": place_sequences(flops, pool_size, spec.sequence_placement, spec.sync_layout(pool_size)),
     }
 
 
@@ -443,6 +469,17 @@ def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
         if variant == "libra":
             _record_libra(cand, run, win, spec)
     cand.lower_bound.extend([win.lower_bound_step] * spec.num_steps)
+    _record_sync(cand, ev, win, orders, spec)
+
+
+def _record_sync(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
+    """Score every order under the sync model (sim/sync.py), each with the candidate's tile placement."""
+    layout = spec.sync_layout(cand.pool_size)
+    pools = {name: [p.seconds for p in _run_order(ev, win.ids, order, cand.pool_size, cand.knobs,
+                                                   spec.tile_placement, spec).pools]
+             for name, order in orders.items()}
+    timings = score_orders(pools, win.lower_bound_step, layout)
+    cand.sync.record(win.index, timings, timings["lower_bound"], win.flops, orders, layout)
 
 
 def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) -> None:
@@ -480,6 +517,7 @@ class SimResult:
     num_documents: int
     seconds: float = 0.0
     window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
+    orders_dump: List[Dict[str, object]] = field(default_factory=list)  # --dump-orders lines, window order
 
     def recommended(self) -> Candidate:
         """argmin of the objective (``OBJECTIVE``); ties go to smaller (P, H, B, tau, M), then the earlier
@@ -502,6 +540,7 @@ class SimResult:
             "token_layout": s.token_layout.value, "sequence_placement": s.sequence_placement.value,
             "tile_placement": s.tile_placement.value, "packing": s.packing.value, "seed": s.seed,
             "wlb_cap_factor": s.wlb_cap_factor, "cost": cost,
+            "sync": describe_layout(s.sync_layout(s.pool_sizes[0])),
             "objective": OBJECTIVE + (", tau, M" if len(s.taus) * len(s.chunk_counts) > 1 else "")
             + (", then grid order of tiling, KV fetch" if len(s.tilings) * len(s.kv_fetches) > 1 else ""),
             "units": "seconds and bytes per attention layer, forward pass",
@@ -514,7 +553,7 @@ class SimResult:
             "num_documents": self.num_documents, "runtime_seconds": self.seconds,
             "assumptions": self._assumptions(),
             "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
-            "candidates": [c.to_json(self.ulysses) for c in self.candidates],
+            "candidates": [c.to_json(self.ulysses, self.spec.sync_layout(c.pool_size)) for c in self.candidates],
             "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
                             "tau": best.tau, "num_chunks": best.num_chunks, "tiling": best.tiling.value,
                             "kv_fetch": best.kv_fetch.value, "estimated_step_seconds": best.estimated_step_seconds,
@@ -543,6 +582,8 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     distca: Dict[PoolKnobs, np.ndarray] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
+        if spec.dump_orders:
+            result.orders_dump.append(_order_record(corpus, win, p, orders["placed"], spec))
         inter = _inter_pool(p, flops, orders)
         for cand in (c for c in result.candidates if c.pool_size == p):
             for key, value in inter.items():
@@ -555,11 +596,18 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     ev.clear()
 
 
+def _order_record(corpus: _Corpus, win: _Window, pool_size: int, order: np.ndarray, spec: SimSpec) -> Dict[str, object]:
+    """One --dump-orders line: the window's packed sequences (document lengths, sampler order) and the order."""
+    return {"window": win.index, "dp": spec.data_parallel_size, "pool_size": pool_size, "ga": spec.num_steps,
+            "seq_docs": [corpus.segments[i].tolist() for i in win.ids.tolist()], "order": order.tolist()}
+
+
 def _merge_window(into: SimResult, part: SimResult) -> None:
     """Append one window's measurements (``part``) to ``into``; windows must arrive in order."""
     into.ulysses.seconds.extend(part.ulysses.seconds)
     into.wlb.seconds.extend(part.wlb.seconds)
     into.window_cv.extend(part.window_cv)
+    into.orders_dump.extend(part.orders_dump)
     for mine, theirs in zip(into.candidates, part.candidates):
         for key, values in theirs.inter.items():
             mine.inter[key].extend(values)
@@ -570,6 +618,7 @@ def _merge_window(into: SimResult, part: SimResult) -> None:
         mine.num_tiles.extend(theirs.num_tiles)
         mine.lower_bound.extend(theirs.lower_bound)
         mine.num_fallback += theirs.num_fallback
+        mine.sync.merge(theirs.sync)
         if theirs.worst is not None and (mine.worst is None or _worst_seconds(theirs.worst) > _worst_seconds(mine.worst)):
             mine.worst = theirs.worst
 

@@ -19,7 +19,7 @@ Data (``--data``): a real corpus in Megatron's indexed format (``megatron/corpus
 Every rank reads its microbatches through ``sampler.LibraGlobalBatchSampler`` + ``LibraPoolDataset``
 (window v = dataset indices [v*GBS, (v+1)*GBS), Megatron's "single" order) and shards them with
 ``batch.build_libra_batch``. The two modes differ only in placement and attention execution:
-    libra     the sampler's VRSP (Algorithm 1 + refinement) reorders the window's sequences into
+    libra     the sampler's VRSP (sync: lane totals, then each lane's microbatches) reorders the window's sequences into
               pools of P consecutive DP ranks; each pool's SH-Tiles are placed by TAP (Algorithm 2) in the
               background planner; LibraCoreAttention executes the plan with ``libra_attn_func``.
     baseline  sampler with sequence_placement=contiguous and P = 1 (Megatron's order), no pools; CP = 1:
@@ -97,7 +97,7 @@ class RunConfig:
         values = dict(
             pool_size=self.pool_size if on else 1, head_split=self.head_split, block_size=self.block_size,
             num_chunks=self.num_chunks, tau=self.tau,
-            sequence_placement=SequencePlacement.REFINED if on else SequencePlacement.CONTIGUOUS,
+            sequence_placement=SequencePlacement.SYNC if on else SequencePlacement.CONTIGUOUS,
             tile_placement=TilePlacement.ALG2 if on else TilePlacement.HOME, kernel_backend="torch",
             token_layout=self.token_layout,
         )
@@ -198,7 +198,7 @@ def _window_metrics(cfg: RunConfig, sampler, window: int) -> Dict[str, float]:
     segments = [None] * len(pre)
     for i, seg in zip(order.tolist(), run.segments):
         segments[i] = seg
-    return inter_pool_metrics(segments, order, cfg.pool_size)
+    return inter_pool_metrics(segments, order, cfg.pool_size, cfg.dp)
 
 
 # =============================================================================== per-rank training

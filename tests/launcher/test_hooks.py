@@ -84,8 +84,14 @@ class _FakeSampler:
     """The attributes of LibraGlobalBatchSampler that ``_window_metrics`` reads; windows of 4 samples."""
 
     pool_size = 2
+    data_parallel_size = 4  # GBS 4 = one GA step: the two lanes are the two pool instances
     sequence_placement = "alg1"
     dataset = [[8], [6, 2], [3], [1, 1]]  # segment lengths of samples 0..3 -> Eq. 4 flops 64, 40, 9, 2
+
+    def placement_order(self, flops):
+        from libra_megatron.plan.sequences import place_sequences
+
+        return place_sequences(flops, self.pool_size, self.sequence_placement)
 
     def window_indices(self, window):
         return np.arange(window * 4, window * 4 + 4)
@@ -104,5 +110,7 @@ def test_window_metrics_are_inter_pool_r1_of_the_last_trained_window():
     # 64 -> A, 40 -> B, 9 -> B (49, full), 2 -> A (66)
     assert values["inter_pool_r1_before"] == pytest.approx(104 / 57.5 - 1)
     assert values["inter_pool_r1_after"] == pytest.approx(66 / 57.5 - 1)
+    assert values["lane_r1_before"] == pytest.approx(104 / 57.5 - 1)  # one GA step: lanes = instances
+    assert values["lane_r1_after"] == pytest.approx(66 / 57.5 - 1)
     assert _window_metrics(_FakeSampler(), argparse.Namespace(consumed_train_samples=0, global_batch_size=4)) == {}
     assert _window_metrics(None, args) == {}

@@ -23,7 +23,7 @@ from conftest import TRACE_EOD
 DP, POOL, GBS = 4, 2, 8
 
 
-def _sampler(dataset, rank, consumed=0, total=None, placement=SequencePlacement.REFINED, loader="single",
+def _sampler(dataset, rank, consumed=0, total=None, placement=LibraConfig().sequence_placement, loader="single",
              dp=DP, pool=POOL, gbs=GBS):
     total = len(dataset) if total is None else total
     return LibraGlobalBatchSampler(dataset, total, consumed, 1, gbs, rank, dp, pool, placement, loader, seed=3)
@@ -44,15 +44,15 @@ def _pool_load_ratio(keys_by_rank, pool):
 
 
 @pytest.fixture(scope="module")
-def refined_run(trace_gpt_dataset):
+def placed_run(trace_gpt_dataset):
     return _all_ranks(trace_gpt_dataset)
 
 
-def test_every_window_is_its_gbs_indices_each_once_across_ranks(refined_run, trace_gpt_dataset):
+def test_every_window_is_its_gbs_indices_each_once_across_ranks(placed_run, trace_gpt_dataset):
     num_windows = len(trace_gpt_dataset) // GBS
     assert num_windows >= 2000
     by_window = defaultdict(list)
-    for keys in refined_run:
+    for keys in placed_run:
         assert len(keys) == num_windows * GBS // DP
         for key in keys:
             by_window[key.window].append(key.sample_index)
@@ -61,9 +61,9 @@ def test_every_window_is_its_gbs_indices_each_once_across_ranks(refined_run, tra
         assert sorted(indices) == list(range(v * GBS, (v + 1) * GBS))
 
 
-def test_pool_metadata_identical_on_every_rank_of_a_pool(refined_run, trace_gpt_dataset):
+def test_pool_metadata_identical_on_every_rank_of_a_pool(placed_run, trace_gpt_dataset):
     rows = {}
-    for rank, keys in enumerate(refined_run):
+    for rank, keys in enumerate(placed_run):
         for key in keys:
             assert key.pool_position == rank % POOL and len(key.pool_segments) == POOL
             rows.setdefault((key.window, key.ga_index, rank // POOL), {})[key.pool_position] = key
@@ -76,21 +76,49 @@ def test_pool_metadata_identical_on_every_rank_of_a_pool(refined_run, trace_gpt_
             assert list(first[p]) == gpt_sample_segments(trace_gpt_dataset, key.sample_index).tolist()
 
 
-def test_pool_segments_match_eod_scan_of_the_loaded_tokens(refined_run, trace_gpt_dataset):
-    for key in refined_run[1][::97]:
+def test_pool_segments_match_eod_scan_of_the_loaded_tokens(placed_run, trace_gpt_dataset):
+    for key in placed_run[1][::97]:
         tokens = trace_gpt_dataset[key.sample_index]["tokens"].numpy()
         assert list(key.pool_segments[key.pool_position]) == scan_eod_segments(tokens, TRACE_EOD).tolist()
 
 
-def test_vrsp_lowers_pool_imbalance_versus_contiguous(refined_run, trace_gpt_dataset):
+@pytest.fixture(scope="module")
+def refined_run_800(trace_gpt_dataset):
+    return _all_ranks(trace_gpt_dataset, total=800 * GBS, placement=SequencePlacement.REFINED)
+
+
+def test_vrsp_lowers_pool_imbalance_versus_contiguous(placed_run, refined_run_800, trace_gpt_dataset):
+    """Per instance for refined; per lane for the default (sync), which cuts a lane's pools like with like."""
     total = 800 * GBS
     contiguous = _all_ranks(trace_gpt_dataset, total=total, placement=SequencePlacement.CONTIGUOUS)
-    refined = [[k for k in keys if k.window < 800] for keys in refined_run]
+    placed = [[k for k in keys if k.window < 800] for keys in placed_run]
     def window_multisets(run):
         return sorted((k.window, k.sample_index) for keys in run for k in keys)
 
-    assert window_multisets(contiguous) == window_multisets(refined)  # same steps, different grouping
-    assert _pool_load_ratio(refined, POOL) < _pool_load_ratio(contiguous, POOL)
+    assert window_multisets(contiguous) == window_multisets(refined_run_800) == window_multisets(placed)
+    assert _pool_load_ratio(refined_run_800, POOL) < _pool_load_ratio(contiguous, POOL)
+    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(contiguous, POOL)
+
+
+def _lane_load_ratio(keys_by_rank, pool):
+    """Mean over windows of max/mean lane load: a lane (ranks r // P) summed over its GA steps (Eq. 4)."""
+    loads = defaultdict(lambda: defaultdict(float))
+    for rank, keys in enumerate(keys_by_rank):
+        for key in keys:
+            row = np.asarray(key.pool_segments[key.pool_position], dtype=np.float64)
+            loads[key.window][rank // pool] += float(np.dot(row, row))
+    return float(np.mean([max(v.values()) / np.mean(list(v.values())) for v in loads.values()]))
+
+
+def test_sync_placement_moves_sequences_between_ga_steps_and_balances_lane_totals(placed_run, refined_run_800):
+    """The default (sync) at DP=4, P=2, GBS=8: 2 lanes x 2 GA steps. Its lanes are better balanced than the
+    per-instance refined order's, and it runs sequences at other GA steps than the sampler order (which
+    runs window position n at GA step n // DP)."""
+    windows = 800
+    placed = [[k for k in keys if k.window < windows] for keys in placed_run]
+    assert _lane_load_ratio(placed, POOL) < _lane_load_ratio(refined_run_800, POOL)
+    moved = sum(k.ga_index != (k.sample_index - k.window * GBS) // DP for keys in placed for k in keys)
+    assert moved > 0.1 * windows * GBS
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +208,21 @@ def test_data_loader_yields_dataset_samples_with_pool_metadata(trace_gpt_dataset
             list(r) for r in key.pool_segments]
         assert batch["libra_pool_position"].tolist() == [3 % POOL] and batch["libra_window"].tolist() == [key.window]
         assert batch["libra_ga_index"].tolist() == [key.ga_index]
+
+
+def test_sync_layout_from_megatron_args_places_ep_groups_by_rank_order():
+    from libra_megatron.megatron.sampler import sync_layout_from_args
+
+    moe = argparse.Namespace(global_batch_size=128, micro_batch_size=1, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=None, tensor_model_parallel_size=4,
+                             context_parallel_size=8, num_experts=128, expert_model_parallel_size=32,
+                             expert_tensor_parallel_size=1)  # configs/qwen3-235b-a22b-256k.args at DP=8
+    layout = sync_layout_from_args(moe, 8, 8)
+    assert (layout.num_microbatches, layout.pipeline_parallel_size, layout.virtual_pipeline_size) == (16, 2, 1)
+    assert (layout.expert_parallel_size, layout.tensor_parallel_size) == (32, 4) and not layout.ep_ties_lanes
+    wide = argparse.Namespace(**{**vars(moe), "expert_model_parallel_size": 64, "context_parallel_size": 1,
+                                 "tensor_model_parallel_size": 1, "expert_tensor_parallel_size": None})
+    tied = sync_layout_from_args(wide, 128, 8)  # EP 64 over replicas of 1 GPU: 8 pools per EP group
+    assert tied.expert_tensor_parallel_size == 1 and tied.ep_ties_lanes
+    dense = argparse.Namespace(**{**vars(moe), "num_experts": None})
+    assert sync_layout_from_args(dense, 8, 8).expert_parallel_size == 1  # no experts: EP does not tie anything

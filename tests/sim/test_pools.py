@@ -49,7 +49,8 @@ def test_link_bytes_by_hand():
 def test_simulator_invariants_on_real_trace_slice(linux_slice):
     args = build_parser().parse_args([
         "--trace", LINUX, "--seq-len", "16384", "--gbs", "16", "--dp", "8", "--cp", "2", "--pool-size", "2", "4",
-        "--head-split", "1", "2", "--block-size", "2048", "--model", "qwen3-8b", "--max-windows", "2", "--no-progress"])
+        "--head-split", "1", "2", "--block-size", "2048", "--model", "qwen3-8b", "--max-windows", "2", "--no-progress",
+        "--sequence-placement", "refined"])  # per-instance placement: the invariants below are per instance
     report = run_simulation(linux_slice, spec_from_args(args)).to_json()
     uly = report["baselines"]["ulysses"]
     for cand in report["candidates"]:

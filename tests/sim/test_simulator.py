@@ -13,6 +13,7 @@ from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.sequences import place_sequences
+from libra_megatron.plan.sync import SyncLayout
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.sim.__main__ import build_parser, run, spec_from_args
 from libra_megatron.sim.runner import run_simulation
@@ -73,12 +74,12 @@ def _unhidable_share(plan, rank, heads):
 
 
 def _reference_libra(P, H, B):
-    """Recompute steps, bytes and intra imbalance from plan/ records alone (refined VRSP + Alg. 2)."""
+    """Recompute steps, bytes and intra imbalance from plan/ records alone (sync VRSP, the default, + Alg. 2)."""
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
     steps, byte_rows, intra = [], [], []
     for seqs in _windows():
         flops = np.array([float((s.astype(float) ** 2).sum()) for s in seqs])
-        order = place_sequences(flops, P, SequencePlacement.REFINED)
+        order = place_sequences(flops, P, SequencePlacement.SYNC, SyncLayout(4, P, 2))  # DP=4, GA=2
         step_max = np.zeros(2)
         for k in range(8 // P):
             tiles = build_tiles([seqs[i] for i in order[k * P:(k + 1) * P]], layout, heads, B)
@@ -199,7 +200,8 @@ def test_unknown_enum_value_is_a_usage_error_naming_the_flag_and_choices(trace_p
 def test_plots_are_written(trace_path, tmp_path):
     out = tmp_path / "plots"
     assert run(["--trace", trace_path, "--plots", str(out), "--max-windows", "1", "--no-distca"] + FLAGS) == 0
-    for name in ("inter_pool_imbalance.png", "speedup_heatmap.png", "worst_step_loads.png"):
+    for name in ("inter_pool_imbalance.png", "speedup_heatmap.png", "worst_step_loads.png",
+                 "lanes_and_microbatches.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 

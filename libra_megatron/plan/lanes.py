@@ -1,0 +1,159 @@
+"""Sync-aware VRSP (``SequencePlacement.SYNC``): balance what the step waits for (``plan.sync``).
+
+Pure Python + numpy. A *lane* is the P DP replicas that form a pool at every GA step (lane j = replicas
+j*P .. j*P+P-1, ``plan.sync``). Pools meet every attention layer, lanes only at the step's gradient
+reduction, so at PP=1 the step waits for the heaviest lane *total* over its GA microbatches, not for the
+heaviest pool instance of every GA step (what ``refined``/``alg1`` balance). With PP, each lane is a
+pipeline and uneven microbatches inside it also cost (bubbles).
+
+``place_for_sync(flops, layout)`` at PP=1:
+  1. lanes: the GBS sequences are split into DP/P lanes of exactly GA*P sequences by Algorithm 1 (LPT with
+     exact cardinality, ``place_sequences(flops, GA*P, ALG1)``), then swaps between the heaviest and the
+     lightest lane, each the pair whose difference is nearest half the gap (sorted search, O(n log n) per
+     swap), while they lower the heaviest lane; this balances lane totals;
+  2. pools: at PP=1 only lane totals count, so a lane's GA*P sequences are cut into its GA pool instances
+     like with like (sorted by F, consecutive groups of P): a pool of similar sequences needs little tile
+     migration, so TAP moves fewer bytes (the simulator: wikipedia 256K 2.79 vs 3.78 x the lower bound with
+     Algorithm 1 inside lanes, linux 1.093 vs 1.139, 6 windows);
+  3. the order is emitted GA-major, pool-minor: pool k = g*DP/P + j is lane j's g-th instance, so it runs
+     at GA step g on lane j (``plan.sequences.assign_to_ranks``);
+  4. guard: the order is scored under the same model with pool time = pool FLOPs
+     (ideal TAP) against Algorithm 1's per-instance order, which wins if it is strictly better
+     (``plan.sync.pool_step_timing``).
+With PP > 1 the pool instances themselves are Algorithm 1's (already flat microbatches; a pool's simulated
+time is not proportional to its F when a long document floors it, so re-cutting pools by F alone can lose):
+they are dealt to lanes by exact-cardinality LPT over pool loads plus the same swaps, and each lane's
+microbatches are put in the order (as dealt, lightest first, heaviest first, lightest at both ends) whose
+pipeline is shortest under the proxy; the guard of step 4 follows. (Like-with-like pools at PP=2, 6 windows:
+wikipedia 3.17 vs 4.55 x the lower bound, but linux 1.325 vs 1.142: uneven microbatches cost bubbles, and
+the planner's F proxy cannot see the exchange bytes that would decide between them.)
+When an EP group ties lanes (``SyncLayout.ep_ties_lanes``), tied lanes wait for each other at every MoE
+layer, so balancing lane totals does not help: the per-instance ``refined`` order is used. Deterministic
+(stable sorts, fixed tie-breaks); the output is a permutation, so the step's sample multiset is kept.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import SequencePlacement
+from .sequences import place_sequences, pool_loads
+from .sync import SyncLayout, pool_step_timing, run_lane_pipelines
+
+__all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds"]
+
+
+def lane_loads(flops, order, data_parallel_size: int, pool_size: int) -> np.ndarray:
+    """Sum of F over every lane's GA microbatches: float64 (DP/P,), lane j = pools k with k mod DP/P = j."""
+    loads = pool_loads(flops, order, pool_size)
+    return loads.reshape(-1, data_parallel_size // pool_size).sum(axis=0)
+
+
+def sync_proxy_seconds(flops, order, layout: SyncLayout) -> float:
+    """Step time under ``layout`` when a pool instance takes its summed F (TAP spreads it perfectly)."""
+    loads = pool_loads(flops, order, layout.pool_size)
+    return pool_step_timing(loads.reshape(layout.num_microbatches, layout.num_lanes), layout).seconds
+
+
+def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
+    """The SYNC order of ``flops`` (float64 (GBS,), GBS = GA*DP) under ``layout``: int64 (GBS,) permutation."""
+    flops = np.asarray(flops, dtype=np.float64).reshape(-1)
+    gbs = layout.num_microbatches * layout.data_parallel_size
+    if flops.size != gbs:
+        raise ValueError(f"the window has {flops.size} sequences but GA*DP = {layout.num_microbatches}*"
+                         f"{layout.data_parallel_size} = {gbs}")
+    if layout.ep_ties_lanes or layout.num_lanes == 1 or layout.num_microbatches == 1:
+        # nothing to gain from lanes: tied, a single lane, or lanes == instances
+        return place_sequences(flops, layout.pool_size, SequencePlacement.REFINED)
+    if layout.pipeline_parallel_size > 1:
+        by_lanes = _instances_to_lanes(flops, layout)
+    else:
+        by_lanes = _lanes_then_microbatches(flops, layout)
+    alg1 = place_sequences(flops, layout.pool_size, SequencePlacement.ALG1)
+    if sync_proxy_seconds(flops, alg1, layout) < sync_proxy_seconds(flops, by_lanes, layout):
+        return alg1
+    return by_lanes
+
+
+def _lanes_then_microbatches(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    lane_members = _balanced_groups(flops, ga * pool, _LANE_SWAPS_PER_GROUP)  # [lanes, GA*P]
+    grid = np.empty((ga, lanes, pool), dtype=np.int64)
+    for lane, members in enumerate(lane_members):  # at PP=1 only lane totals count: like with like inside
+        grid[:, lane, :] = members[np.argsort(-flops[members], kind="stable")].reshape(ga, pool)
+    return grid.reshape(-1)
+
+
+def _order_microbatches(flops: np.ndarray, grid: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    """Per lane, the microbatch order (as placed, lightest first, heaviest first, or light at both ends) that
+    gives the shortest pipeline under the FLOPs proxy; the first of them on ties. ``grid`` [GA, lanes, P]."""
+    loads = flops[grid].sum(axis=2)  # [GA, lanes]
+    ga = loads.shape[0]
+    rising = np.argsort(loads, axis=0, kind="stable")
+    ends = np.empty_like(rising)  # lightest at both ends, heaviest in the middle
+    ends[: (ga + 1) // 2], ends[(ga + 1) // 2:] = rising[0::2], rising[1::2][::-1]
+    orders = [np.repeat(np.arange(ga)[:, None], loads.shape[1], axis=1), rising, rising[::-1], ends]
+    columns = np.concatenate([np.take_along_axis(loads, o, axis=0) for o in orders], axis=1)  # one simulation
+    spans = run_lane_pipelines(columns, layout).makespan.reshape(len(orders), -1)
+    best = spans.argmin(axis=0)  # [lanes]
+    chosen = np.stack([orders[b][:, lane] for lane, b in enumerate(best.tolist())], axis=1)  # [GA, lanes]
+    return np.take_along_axis(grid, chosen[:, :, None], axis=0)
+
+
+def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    """PP > 1: Algorithm 1's pool instances, dealt to lanes (exact-cardinality LPT over pool loads, then swaps)
+    and ordered inside each lane (``_order_microbatches``)."""
+    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    pools = place_sequences(flops, pool, SequencePlacement.ALG1).reshape(-1, pool)  # [K, P]
+    loads = flops[pools].sum(axis=1)
+    by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
+    grid = pools[by_lane.T]  # [GA, lanes, P]
+    return _order_microbatches(flops, grid, layout).reshape(-1)
+
+
+def _balanced_groups(flops: np.ndarray, group_size: int, swaps_per_group: int) -> np.ndarray:
+    """Algorithm 1 into groups of ``group_size``, then at most ``swaps_per_group`` * groups heaviest/lightest
+    swaps: int64 [groups, group_size]."""
+    start = place_sequences(flops, group_size, SequencePlacement.ALG1).reshape(-1, group_size)
+    return _swap_heaviest_with_lightest(flops, start, swaps_per_group * start.shape[0]) if swaps_per_group else start
+
+
+_LANE_SWAPS_PER_GROUP = 8  # like plan.sequences: the loop almost always stops far earlier
+
+
+def _swap_heaviest_with_lightest(flops: np.ndarray, lanes: np.ndarray, max_swaps: int) -> np.ndarray:
+    """Swaps between the heaviest and the lightest lane while they lower the heaviest (each strictly lowers
+    the pair's maximum, so the sorted load vector falls and the loop ends). ``lanes`` [num_lanes, n]."""
+    grid = lanes.copy()
+    weights = flops[grid]
+    loads = weights.sum(axis=1)
+    for _ in range(max_swaps):
+        heavy, light = int(loads.argmax()), int(loads.argmin())
+        gap = float(loads[heavy] - loads[light])
+        best = _nearest_half_gap(weights[heavy], weights[light], gap)
+        if best is None:
+            break
+        slot_h, slot_l, moved = best
+        grid[heavy, slot_h], grid[light, slot_l] = grid[light, slot_l], grid[heavy, slot_h]
+        weights[heavy, slot_h], weights[light, slot_l] = weights[light, slot_l], weights[heavy, slot_h]
+        loads[heavy] -= moved
+        loads[light] += moved
+    return grid
+
+
+def _nearest_half_gap(heavy: np.ndarray, light: np.ndarray, gap: float):
+    """(slot in heavy, slot in light, moved F) of the swap whose moved F = F_a - F_b is nearest gap/2 within
+    (0, gap), i.e. the one leaving the smallest pair maximum; None if no swap lowers the heavier lane."""
+    if not gap > 0:
+        return None
+    by_weight = np.argsort(light, kind="stable")
+    sorted_light = light[by_weight]
+    want = heavy - gap / 2.0  # the ideal F_b for every a
+    right = np.clip(np.searchsorted(sorted_light, want), 0, light.size - 1)
+    left = np.clip(right - 1, 0, light.size - 1)
+    candidates = np.concatenate([left, right])  # [2n]: both neighbours of every a
+    moved = np.tile(heavy, 2) - sorted_light[candidates]
+    score = np.where((moved > 0) & (moved < gap), np.abs(moved - gap / 2.0), np.inf)
+    flat = int(score.argmin())
+    if not np.isfinite(score.flat[flat]):
+        return None
+    return flat % heavy.size, int(by_weight[candidates[flat]]), float(moved[flat])

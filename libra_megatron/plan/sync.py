@@ -1,0 +1,296 @@
+"""Synchronisation model of one optimizer step: who waits for whom, and the step time that follows.
+
+Pure Python + numpy. Input: per GA microbatch g and per worker w, the seconds of one attention layer
+(forward) of that worker, ``worker_seconds[g, w]`` with w = dp*CP + c (DP replica major, CP rank minor;
+``plan.sequences.assign_to_ranks``: pool instance k runs at GA step k*P // DP on the P consecutive DP
+replicas starting at (k mod DP/P)*P). Output: the step's seconds under these rules:
+
+pool        The P*CP workers of a pool meet at every attention layer (the KV/tile exchange), so a pool's
+            time for a microbatch is the max over its workers. The P replicas forming a pool are the
+            same at every GA step: they form a *lane* (``num_lanes = DP/P``).
+EP          An expert-parallel group meets at every MoE layer. Megatron places it by rank order
+            (``tp-cp-ep-dp-pp``; experts use ``etp-ep-edp`` over the same ranks of a PP stage), so the
+            group of rank r = tp + TP*(cp + CP*dp) is the EP consecutive multiples of ETP around it. Lanes
+            whose replicas share an EP group are *tied*: they advance at the max of their times, layer by
+            layer, so a tied set of lanes behaves as one lane with the per-microbatch max. In the shipped
+            configs EP*ETP <= TP*CP: every EP group stays inside one replica and nothing is tied.
+pipeline    Each (tied set of) lane(s) runs its GA microbatches through PP stages with Megatron's 1F1B
+            schedule, or the interleaved schedule with VPP model chunks per stage
+            (``megatron.core.pipeline_parallel.schedules``, microbatch group size = PP). The schedule is
+            simulated op by op (``PipelineSchedule``): an op starts when its stage finished the previous op
+            and its producer finished (forward: the previous virtual stage; backward: the next one, or the
+            microbatch's last forward). Point-to-point transfers take no time.
+DP          Lanes meet once, at the step's gradient reduction, which is assumed fully overlapped with the
+            backward (Megatron's --overlap-grad-reduce): the step ends when the slowest lane ends.
+
+Stage times: layers are split evenly over the PP*VPP virtual stages, so a microbatch's forward on one
+virtual stage is its per-layer attention seconds / VPP (the unit is "one attention layer per stage": every
+stage carries the same number of layers, and a common factor does not change any ratio). Backward =
+``backward_ratio`` x forward (default 2). Non-attention work is equal for every packed sequence (same
+token count) and is added as ``other_seconds`` per microbatch and stage (default 0: attention only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["SyncLayout", "PipelineSchedule", "PipelineRun", "StepTiming", "pipeline_schedule", "step_timing", "pool_step_timing", "run_lane_pipelines",
+           "lane_of_pool", "SIM_FLAGS"]
+
+SIM_FLAGS: Dict[str, str] = {  # SyncLayout field -> the simulator flag that sets it (error messages)
+    "data_parallel_size": "--dp", "pool_size": "--pool-size", "num_microbatches": "--gbs / --dp",
+    "pipeline_parallel_size": "--pp", "virtual_pipeline_size": "--vpp", "tensor_parallel_size": "--tp",
+    "context_parallel_size": "--cp", "expert_parallel_size": "--ep", "expert_tensor_parallel_size": "--etp",
+    "backward_ratio": "--backward-ratio", "other_seconds": "--other-seconds",
+}
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """The parallel layout the step's synchronisation follows (see the module docstring).
+
+    ``flags`` names, per field, the flag that set it (errors quote it; default: the simulator's flags).
+    """
+
+    data_parallel_size: int
+    pool_size: int
+    num_microbatches: int  # GA = GBS / DP (mbs = 1)
+    pipeline_parallel_size: int = 1
+    virtual_pipeline_size: int = 1
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    backward_ratio: float = 2.0
+    other_seconds: float = 0.0
+    flags: Mapping[str, str] = field(default_factory=lambda: dict(SIM_FLAGS), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("data_parallel_size", "pool_size", "num_microbatches", "pipeline_parallel_size",
+                    "virtual_pipeline_size", "tensor_parallel_size", "context_parallel_size",
+                    "expert_parallel_size", "expert_tensor_parallel_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{self.flags[key]} must be a positive integer, got {value!r}")
+        for key in ("backward_ratio", "other_seconds"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{self.flags[key]} must be a finite number >= 0, got {value!r}")
+        self._check_divisions()
+
+    def _check_divisions(self) -> None:
+        dp, p, f = self.data_parallel_size, self.pool_size, self.flags
+        if dp % p:
+            raise ValueError(f"{f['pool_size']} {p} must divide {f['data_parallel_size']} {dp} ({dp} % {p} = {dp % p})")
+        ranks = self.tensor_parallel_size * self.context_parallel_size * dp
+        experts = self.expert_parallel_size * self.expert_tensor_parallel_size
+        if ranks % experts:
+            raise ValueError(f"{f['expert_parallel_size']} {self.expert_parallel_size} x {f['expert_tensor_parallel_size']} "
+                             f"{self.expert_tensor_parallel_size} = {experts} must divide the TP*CP*DP = {ranks} ranks of "
+                             f"a pipeline stage ({ranks} % {experts} = {ranks % experts})")
+        pp, vpp, m = self.pipeline_parallel_size, self.virtual_pipeline_size, self.num_microbatches
+        if vpp > 1 and (pp < 2 or m % pp):
+            raise ValueError(f"{f['virtual_pipeline_size']} {vpp} (interleaved schedule) needs {f['pipeline_parallel_size']} "
+                             f">= 2 and the {m} GA microbatches ({f['num_microbatches']}) a multiple of it "
+                             f"(Megatron's microbatch groups of PP): {m} % {pp} = {m % pp if pp else m}")
+
+    @property
+    def num_lanes(self) -> int:
+        """DP / P: pools running side by side at every GA step."""
+        return self.data_parallel_size // self.pool_size
+
+    def lane_ties(self) -> np.ndarray:
+        """int64 (num_lanes,): the tied set of every lane (EP groups across lanes), numbered 0.. in lane order."""
+        return _lane_ties(self.data_parallel_size, self.pool_size, self.tensor_parallel_size * self.context_parallel_size,
+                          self.expert_parallel_size, self.expert_tensor_parallel_size)
+
+    @property
+    def ep_ties_lanes(self) -> bool:
+        """True when some EP group spans two lanes (then only per-instance balance helps)."""
+        ties = self.lane_ties()
+        return int(ties.max()) + 1 < ties.size
+
+
+@lru_cache(maxsize=64)
+def _lane_ties_cached(dp: int, pool: int, replica_ranks: int, ep: int, etp: int) -> Tuple[int, ...]:
+    parent = list(range(dp // pool))
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    ranks = replica_ranks * dp
+    group_stride = ep * etp
+    for first in range(0, ranks, group_stride):  # expert DP block: etp fastest, then ep
+        for etp_rank in range(etp):
+            members = first + etp_rank + etp * np.arange(ep)
+            lanes = np.unique(members // replica_ranks // pool)
+            for other in lanes[1:].tolist():
+                parent[root(other)] = root(int(lanes[0]))
+    roots = [root(a) for a in range(len(parent))]
+    numbering: Dict[int, int] = {}
+    return tuple(numbering.setdefault(r, len(numbering)) for r in roots)
+
+
+def _lane_ties(dp: int, pool: int, replica_ranks: int, ep: int, etp: int) -> np.ndarray:
+    return np.asarray(_lane_ties_cached(int(dp), int(pool), int(replica_ranks), int(ep), int(etp)), dtype=np.int64)
+
+
+def lane_of_pool(num_pools: int, pool_size: int, data_parallel_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(GA step, lane) of every pool instance k of a GA-major, pool-minor order: (k*P // DP, k mod DP/P)."""
+    k = np.arange(num_pools, dtype=np.int64)
+    return k * pool_size // data_parallel_size, k % (data_parallel_size // pool_size)
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Ops of one pipeline step in an order that respects every dependency.
+
+    Op i runs on ``stage[i]`` (physical), is a forward (``backward[i]`` False) or backward of microbatch
+    ``microbatch[i]`` on virtual stage ``virtual[i]`` (chunk c of stage s is virtual stage c*PP + s), and
+    starts after op ``after_stage[i]`` (the stage's previous op, -1 for none) and op ``after_data[i]``
+    (its producer, -1 for none).
+    """
+
+    num_stages: int
+    num_chunks: int
+    num_microbatches: int
+    stage: np.ndarray
+    backward: np.ndarray
+    microbatch: np.ndarray
+    virtual: np.ndarray
+    after_stage: np.ndarray
+    after_data: np.ndarray
+
+    def run(self, forward: np.ndarray, backward: np.ndarray) -> "PipelineRun":
+        """Simulate with per-(microbatch, virtual stage) seconds ``forward``/``backward`` [m, PP*VPP, ...];
+        trailing axes (e.g. lanes) are simulated independently. Returns end time and busy time per stage."""
+        fwd, bwd = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+        duration = np.where(self.backward.reshape((-1,) + (1,) * (fwd.ndim - 2)),
+                            bwd[self.microbatch, self.virtual], fwd[self.microbatch, self.virtual])
+        end = np.zeros((duration.shape[0] + 1,) + duration.shape[1:])  # row -1 (the last) stays 0: "no op"
+        for i, (a, b) in enumerate(zip(self.after_stage.tolist(), self.after_data.tolist())):
+            end[i] = np.maximum(end[a], end[b]) + duration[i]
+        end = end[:-1]
+        busy = np.stack([duration[self.stage == s].sum(axis=0) for s in range(self.num_stages)])
+        return PipelineRun(end.max(axis=0), busy)
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """``makespan`` [...] and ``busy`` [PP, ...] seconds of every stage."""
+
+    makespan: np.ndarray
+    busy: np.ndarray
+
+    @property
+    def bubble_fraction(self) -> np.ndarray:
+        """Idle share of the stages until the makespan: 1 - mean_s busy_s / makespan ((p-1)/(m+p-1) for 1F1B
+        with equal times)."""
+        span = np.where(self.makespan > 0, self.makespan, 1.0)
+        return np.where(self.makespan > 0, 1.0 - self.busy.mean(axis=0) / span, 0.0)
+
+
+def _stage_ops(stage: int, pp: int, vpp: int, m: int) -> List[Tuple[bool, int, int]]:
+    """(backward?, microbatch, chunk) in the order Megatron runs them on ``stage``."""
+    total = m * vpp
+    if vpp == 1:
+        table = [(g, 0) for g in range(m)]
+        warmup = min(pp - stage - 1, m)
+    else:  # get_schedule_table with microbatch_group_size_per_vp_stage = PP (m % PP == 0)
+        table = [(g, c) for first in range(0, m, pp) for c in range(vpp) for g in range(first, first + pp)]
+        warmup = min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
+    fwd = [(False, g, c) for g, c in table]
+    bwd = [(True, g, vpp - 1 - c) for g, c in table]
+    ops = fwd[:warmup]
+    for k in range(total - warmup):
+        ops += [fwd[warmup + k], bwd[k]]
+    return ops + bwd[total - warmup:]
+
+
+@lru_cache(maxsize=128)
+def pipeline_schedule(num_stages: int, num_chunks: int, num_microbatches: int) -> PipelineSchedule:
+    """Megatron's 1F1B (``num_chunks`` 1) or interleaved schedule as a dependency-ordered op list."""
+    pp, vpp, m = num_stages, num_chunks, num_microbatches
+    per_stage = [_stage_ops(s, pp, vpp, m) for s in range(pp)]
+    index: Dict[Tuple[bool, int, int], int] = {}
+    rows: List[Tuple[int, bool, int, int, int, int]] = []
+    cursor = [0] * pp
+    while len(rows) < 2 * m * vpp * pp:
+        progressed = False
+        for s in range(pp):
+            while cursor[s] < len(per_stage[s]):
+                back, g, c = per_stage[s][cursor[s]]
+                v = c * pp + s
+                producer = _producer(back, g, v, pp * vpp)
+                if producer is not None and producer not in index:
+                    break
+                prev = index[("op", s, cursor[s] - 1)] if cursor[s] else -1
+                index[(back, g, v)] = index[("op", s, cursor[s])] = len(rows)
+                rows.append((s, back, g, v, prev, -1 if producer is None else index[producer]))
+                cursor[s] += 1
+                progressed = True
+        assert progressed, "pipeline schedule deadlocked"  # internal invariant: Megatron's order is acyclic
+    cols = list(zip(*rows))
+    arrays = [np.asarray(col, dtype=np.int64) for col in cols]
+    return PipelineSchedule(pp, vpp, m, arrays[0], arrays[1].astype(bool), arrays[2], arrays[3], arrays[4], arrays[5])
+
+
+def _producer(backward: bool, g: int, v: int, num_virtual: int) -> Optional[Tuple[bool, int, int]]:
+    if not backward:
+        return (False, g, v - 1) if v > 0 else None
+    return (True, g, v + 1) if v + 1 < num_virtual else (False, g, num_virtual - 1)
+
+
+# ------------------------------------------------------------------------------------------- step time
+@dataclass(frozen=True)
+class StepTiming:
+    """One step under the model. ``lane_seconds`` [num_lanes]: when each lane finishes (tied lanes share it);
+    ``seconds`` = their max (DP meets at the end); ``microbatch_seconds`` [GA, num_lanes]: the per-layer
+    forward time each lane's pool waits for (after EP ties); ``bubble_fraction`` [num_lanes] (0 at PP=1)."""
+
+    seconds: float
+    lane_seconds: np.ndarray
+    microbatch_seconds: np.ndarray
+    bubble_fraction: np.ndarray
+
+
+def step_timing(worker_seconds, layout: SyncLayout) -> StepTiming:
+    """Step time of per-worker, per-microbatch seconds ``worker_seconds`` [GA, DP*CP] (module docstring)."""
+    times = np.asarray(worker_seconds, dtype=np.float64)
+    ga, lanes = layout.num_microbatches, layout.num_lanes
+    if times.shape != (ga, layout.data_parallel_size * layout.context_parallel_size):
+        raise ValueError(f"worker_seconds must be [GA, DP*CP] = [{ga}, {layout.data_parallel_size}*"
+                         f"{layout.context_parallel_size}], got {list(times.shape)}")
+    return pool_step_timing(times.reshape(ga, lanes, -1).max(axis=2), layout)  # a pool waits for its slowest worker
+
+
+def pool_step_timing(pool_seconds, layout: SyncLayout) -> StepTiming:
+    """Step time of per-pool seconds ``pool_seconds`` [GA, DP/P] (pool instance of lane j at GA step g)."""
+    pools = np.asarray(pool_seconds, dtype=np.float64)
+    if pools.shape != (layout.num_microbatches, layout.num_lanes):
+        raise ValueError(f"pool_seconds must be [GA, DP/P] = [{layout.num_microbatches}, {layout.num_lanes}], "
+                         f"got {list(pools.shape)}")
+    ties = layout.lane_ties()
+    tied = np.zeros((layout.num_microbatches, int(ties.max()) + 1))
+    np.maximum.at(tied.T, ties, pools.T)  # tied lanes advance at the max of their pools
+    run = run_lane_pipelines(tied, layout)
+    return StepTiming(float(run.makespan.max()), run.makespan[ties], tied[:, ties], run.bubble_fraction[ties])
+
+
+def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout) -> PipelineRun:
+    """Pipeline every column of [GA, lanes] per-layer forward seconds (uniform stages, ``other_seconds`` added)."""
+    pp, vpp = layout.pipeline_parallel_size, layout.virtual_pipeline_size
+    fwd_stage = (microbatch_seconds + layout.other_seconds) / vpp  # [GA, lanes]
+    fwd = np.repeat(fwd_stage[:, None, :], pp * vpp, axis=1)  # [GA, PP*VPP, lanes]
+    if pp == 1:  # one stage: forward then backward of every microbatch, nothing waits
+        busy = (fwd.sum(axis=(0, 1)) * (1.0 + layout.backward_ratio))[None, :]
+        return PipelineRun(busy[0], busy)
+    return pipeline_schedule(pp, vpp, layout.num_microbatches).run(fwd, fwd * layout.backward_ratio)
