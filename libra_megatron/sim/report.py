@@ -45,6 +45,8 @@ _COLUMNS = (  # header, width, getter
     ("KV GB", 7, lambda c: f"{c['bytes_per_layer']['kv'] / 1e9:.2f}"),
     ("O GB", 7, lambda c: f"{c['bytes_per_layer']['o'] / 1e9:.2f}"),
     ("step ms", 8, lambda c: f"{c['estimated_step_seconds'] * 1e3:.2f}"),
+    ("comp ms", 8, lambda c: f"{c['compute_seconds'] * 1e3:.2f}"),
+    ("exp ms", 7, lambda c: f"{c['exposed_comm_seconds'] * 1e3:.2f}"),
     ("vs Uly", 7, lambda c: f"{c['straggler_vs_ulysses']:.3f}"),
     ("max vs Uly", 10, lambda c: f"{c['straggler_max_vs_ulysses']:.3f}"),
     ("vs LB", 6, lambda c: f"{c['straggler_vs_lower_bound']:.3f}"),
@@ -96,6 +98,6 @@ def format_table(report: Dict) -> str:
         f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
         "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra (max) = worker max/mean-1 (Eq. 6), mean (worst) over"
         " pools; GB = remote bytes per pool"
-        " per layer fwd; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
+        " per layer fwd; comp/exp ms = the straggler's compute and exposed comm, mean per step; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
     ]
     return "\n".join(rows)

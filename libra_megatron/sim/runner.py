@@ -230,11 +230,24 @@ class _Steps:
     """Per-step straggler seconds of one variant over all windows."""
 
     seconds: List[float] = field(default_factory=list)
+    compute: List[float] = field(default_factory=list)  # the straggler's compute part of each step (Libra variants)
+
+    def extend(self, seconds, compute) -> None:
+        self.seconds.extend(np.asarray(seconds, dtype=np.float64).tolist())
+        self.compute.extend(np.asarray(compute, dtype=np.float64).tolist())
+
+    def split(self) -> Dict[str, float]:
+        """Mean per step of the straggler's compute and exposed communication (they sum to the mean step)."""
+        if not self.compute:
+            return {}
+        s, c = np.asarray(self.seconds), np.asarray(self.compute)
+        return {"compute_seconds": float(c.mean()), "exposed_comm_seconds": float((s - c).mean())}
 
     def summary(self, ulysses: "_Steps") -> Dict[str, float]:
         s, u = np.asarray(self.seconds), np.asarray(ulysses.seconds)
         return {"mean_step_seconds": float(s.mean()), "max_step_seconds": float(s.max()),
-                "speedup_vs_ulysses": float(u.sum() / s.sum()), "max_speedup_vs_ulysses": float(u.max() / s.max())}
+                "speedup_vs_ulysses": float(u.sum() / s.sum()), "max_speedup_vs_ulysses": float(u.max() / s.max()),
+                **self.split()}
 
 
 @dataclass
@@ -298,6 +311,7 @@ class Candidate:
             "straggler_vs_ulysses": float(libra.sum() / np.sum(ulysses.seconds)),
             "straggler_max_vs_ulysses": float(libra.max() / np.max(ulysses.seconds)),
             "straggler_vs_lower_bound": float(libra.sum() / np.sum(self.lower_bound)),
+            **self.steps["libra"].split(),
             "bytes_per_layer": {"q": float(bytes_mean[0]), "kv": float(bytes_mean[1]), "o": float(bytes_mean[2])},
             "estimated_step_seconds": self.estimated_step_seconds,
             "max_step_seconds": float(libra.max()),
@@ -352,6 +366,22 @@ class _OrderRun:
     pools: List[PoolResult]
     pool_step: np.ndarray
     pool_first_dp: np.ndarray
+    step_compute: np.ndarray = None  # [GA] compute seconds of each step's straggler worker
+
+
+def _straggler_compute(pools: List[PoolResult], pool_step: np.ndarray, num_steps: int) -> np.ndarray:
+    """[GA]: compute seconds of the slowest worker of every step (its exposed comm is the rest of the step).
+    Workers within 1e-9 (relative) of the step's maximum tie; the tie goes to the largest compute, so the
+    exposed share is never overstated."""
+    seconds = np.concatenate([p.seconds for p in pools])
+    compute = np.concatenate([p.compute_seconds for p in pools])
+    step = np.repeat(pool_step, [p.seconds.size for p in pools])
+    top = np.zeros(num_steps)
+    np.maximum.at(top, step, seconds)
+    out = np.zeros(num_steps)
+    tied = seconds >= top[step] * (1.0 - 1e-9)
+    np.maximum.at(out, step[tied], compute[tied])
+    return out
 
 
 def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int,
@@ -364,7 +394,7 @@ def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size:
              for k in range(num_pools)]
     step_seconds = np.zeros(spec.num_steps)
     np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
-    return _OrderRun(step_seconds, pools, step, first_dp)
+    return _OrderRun(step_seconds, pools, step, first_dp, _straggler_compute(pools, step, spec.num_steps))
 
 
 def _step_workers(run: _OrderRun, step: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -403,9 +433,11 @@ def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
     return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
 
 
-def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> np.ndarray:
+def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
+    """(step seconds, straggler compute seconds) of the DistCA-scope variant."""
     order = np.arange(spec.global_batch_size, dtype=np.int64)
-    return _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec).step_seconds
+    run = _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec)
+    return run.step_seconds, run.step_compute
 
 
 def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -439,7 +471,7 @@ def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
     for variant, (order_name, method) in _VARIANT_PLAN.items():
         method = method or spec.tile_placement
         run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, cand.knobs, method, spec)
-        cand.steps[variant].seconds.extend(run.step_seconds.tolist())
+        cand.steps[variant].extend(run.step_seconds, run.step_compute)
         if variant == "libra":
             _record_libra(cand, run, win, spec)
     cand.lower_bound.extend([win.lower_bound_step] * spec.num_steps)
@@ -540,7 +572,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
     flops = corpus.flops[win.ids]
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
-    distca: Dict[PoolKnobs, np.ndarray] = {}
+    distca: Dict[PoolKnobs, Tuple[np.ndarray, np.ndarray]] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
         inter = _inter_pool(p, flops, orders)
@@ -551,7 +583,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
             if spec.distca and cand.knobs not in distca:
                 distca[cand.knobs] = _distca_steps(ev, win, cand.knobs, spec)
             if spec.distca:
-                cand.steps["distca"].seconds.extend(distca[cand.knobs].tolist())
+                cand.steps["distca"].extend(*distca[cand.knobs])
     ev.clear()
 
 
@@ -564,7 +596,7 @@ def _merge_window(into: SimResult, part: SimResult) -> None:
         for key, values in theirs.inter.items():
             mine.inter[key].extend(values)
         for name, steps in theirs.steps.items():
-            mine.steps[name].seconds.extend(steps.seconds)
+            mine.steps[name].extend(steps.seconds, steps.compute)
         mine.intra.extend(theirs.intra)
         mine.bytes_qkvo.extend(theirs.bytes_qkvo)
         mine.num_tiles.extend(theirs.num_tiles)
