@@ -42,6 +42,7 @@ from ..plan.sequences import place_sequences, pool_loads
 from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
 from .cost import CostModel
+from .hybrid_cp import HybridCpBaseline, HybridCpDims
 from .pools import PoolEvaluator, PoolKnobs, PoolResult
 
 __all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "check_run_cost", "check_jobs",
@@ -420,8 +421,13 @@ def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
     ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
     heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
     uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
-    lb = float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / (spec.num_steps * dp * cp)
-    return _Window(w, ids, uly, lb)
+    return _Window(w, ids, uly, _lower_bound_step(corpus, ids, spec))
+
+
+def _lower_bound_step(corpus: "_Corpus", ids: np.ndarray, spec: SimSpec) -> float:
+    """The window's attention work at peak rate spread perfectly over GA*DP*CP workers, no communication."""
+    workers = spec.num_steps * spec.data_parallel_size * spec.context_parallel_size
+    return float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / workers
 
 
 def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
@@ -512,6 +518,7 @@ class SimResult:
     num_documents: int
     seconds: float = 0.0
     window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
+    megatron_hybrid_cp: Optional[Dict[str, float]] = None  # ``sim.hybrid_cp`` summary when asked for
 
     def recommended(self) -> Candidate:
         """argmin of the objective (``OBJECTIVE``); ties go to smaller (P, H, B, tau, M), then the earlier
@@ -545,7 +552,10 @@ class SimResult:
             "num_windows": self.num_windows, "num_sequences": self.num_sequences,
             "num_documents": self.num_documents, "runtime_seconds": self.seconds,
             "assumptions": self._assumptions(),
-            "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
+            "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses),
+                          **({"megatron_hybrid_cp": self.megatron_hybrid_cp} if self.megatron_hybrid_cp else {})},
+            **({"megatron_hybrid_cp_straggler_vs_lower_bound": self.megatron_hybrid_cp["straggler_vs_lower_bound"]}
+               if self.megatron_hybrid_cp else {}),
             "candidates": [c.to_json(self.ulysses) for c in self.candidates],
             "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
                             "tau": best.tau, "num_chunks": best.num_chunks, "tiling": best.tiling.value,
@@ -628,11 +638,24 @@ def _window_results(num_windows: int, jobs: int):
         yield from pool.imap(_window_job, range(num_windows))
 
 
+def _megatron_hybrid_cp(baseline: HybridCpBaseline, corpus: "_Corpus", num_windows: int, spec: SimSpec) -> Dict:
+    """Megatron-LM's hybrid-CP balancer on every window's documents, priced by ``sim.hybrid_cp``."""
+    gbs = spec.global_batch_size
+    ids = [np.arange(w * gbs, (w + 1) * gbs) for w in range(num_windows)]
+    windows = [np.concatenate([corpus.segments[i] for i in win]).astype(int).tolist() for win in ids]
+    lower = [_lower_bound_step(corpus, win, spec) * spec.num_steps for win in ids]
+    dims = HybridCpDims(spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    return baseline.evaluate(windows, lower, spec.num_steps, dims, spec.cost,
+                             spec.data_parallel_size * spec.context_parallel_size, spec.seq_len,
+                             spec.context_parallel_size)
+
+
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
-                   jobs: int = 1) -> SimResult:
+                   jobs: int = 1, megatron_hybrid_cp: Optional[HybridCpBaseline] = None) -> SimResult:
     """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B, tau, M) and the baselines.
 
     ``jobs`` > 1 simulates windows in that many forked processes; results are identical to jobs=1.
+    ``megatron_hybrid_cp`` adds Megatron-LM's hybrid-CP balancer on the same windows (``sim.hybrid_cp``).
     """
     start = time.perf_counter()
     spec.validate()
@@ -654,5 +677,7 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
                 progress(done, num_windows)
     finally:
         _WORKER.clear()
+    if megatron_hybrid_cp is not None:
+        result.megatron_hybrid_cp = _megatron_hybrid_cp(megatron_hybrid_cp, corpus, num_windows, spec)
     result.seconds = time.perf_counter() - start
     return result
