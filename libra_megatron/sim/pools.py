@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..config import KvFetch, TilingPolicy
+from ..config import KvFetch, TilePlacement, TilingPolicy
 from ..plan.exchange import build_exchange_plan
 from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
 from ..plan.layout import HeadLayout, TokenLayout
@@ -178,10 +178,13 @@ class PoolEvaluator:
         hit = self._cache.get(key)
         if hit is None:
             tiles = self._tileset(tkey, knobs)
-            pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token())
+            timed = TilePlacement(method) is TilePlacement.TIME  # places by node, so the node offset is a key
+            node_offset = first_gpu % self.cost.gpus_per_node if timed else None
+            pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)
             if placed is None:
-                placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method)
+                timing = self.cost.step_time_model(first_gpu) if timed else None
+                placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method, timing=timing)
             hit = self._cache[key] = pool_result(tiles, placed, self._cost(knobs.num_chunks), first_gpu)
         return hit
 
