@@ -27,10 +27,10 @@ from .timing import StepTimeModel
 __all__ = ["refine_for_time", "worker_times", "MAX_MOVES_PER_WORKER"]
 
 MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
-_TILES_PER_KIND = 8  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
+_TILES_PER_KIND = 10  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
 _LIGHTEST = 3  # lightest workers tried as destinations (globally and on a node)
 _SWAPS = 2  # tiles of a destination tried as swap partners
-_EXTEND = 6  # best single moves retried as group moves and swaps
+_EXTEND = 10  # best single moves retried as group moves and swaps
 _EPS = 1e-12
 
 # columns of the per-worker state: link bytes, bytes per kind (sent + received), compute seconds
@@ -61,10 +61,19 @@ class _PoolTraffic:
         self.ends: Dict[Tuple[int, int], Dict[int, int]] = defaultdict(dict)  # (group, w) -> {kv_end: tiles}
         self.fetchers: Dict[int, set] = defaultdict(set)  # group -> workers with a prefix of it selected
         self.state = np.zeros((W, 8))
+        self.intra_bps, self.inter_bps = model.intra_node_gbps * 1e9, model.inter_node_gbps * 1e9
         for t, w in enumerate(self.assignment):
             self._apply(self._delta(t, None, w), t, None, w)
 
     # ----------------------------------------------------------------- pricing
+    def seconds_of(self, row) -> float:
+        """Seconds of one worker with state ``row`` (8 floats): ``seconds`` for one row, in plain Python."""
+        comm = max(max(row[_IS], row[_IR]) / self.intra_bps, max(row[_ES], row[_ER]) / self.inter_bps)
+        q, kv, o, compute = row[_Q], row[_KV], row[_O], row[_C]
+        total = q + kv + o
+        u = ((q + o) / self.num_chunks + kv / self.kv_chunks) / total if total > 0 else 1.0 / self.num_chunks
+        return compute + comm - min(comm * (1.0 - u), compute)
+
     def seconds(self, rows: np.ndarray) -> np.ndarray:
         """Seconds of workers with state ``rows`` [n, 8] (``plan.timing``)."""
         intra = np.maximum(rows[:, _IS], rows[:, _IR])
@@ -177,11 +186,12 @@ def _candidate_tiles(pool: _PoolTraffic, star: int, by_worker, by_home, by_doc) 
     return list(dict.fromkeys(hosted + homed + fetch))
 
 
-def _destinations(pool: _PoolTraffic, t: int, star: int, times: np.ndarray) -> List[int]:
-    order = np.argsort(times, kind="stable")
-    lightest = order[:_LIGHTEST].tolist()
-    near = [w for w in order.tolist() if pool.node[w] == pool.node[star]][:_LIGHTEST]
-    home_near = [w for w in order.tolist() if pool.node[w] == pool.node[pool.home[t]]][:_LIGHTEST]
+def _destinations(pool: _PoolTraffic, t: int, star: int, times: np.ndarray, light: List[int]) -> List[int]:
+    """Where tile t may go: its Q-home, w*, the lightest workers (``light``: ascending time), the lightest
+    of w*'s node and of t's home node, and the lightest that already fetched enough of t's longest group."""
+    lightest = light[:_LIGHTEST]
+    near = [w for w in light if pool.node[w] == pool.node[star]][:_LIGHTEST]
+    home_near = [w for w in light if pool.node[w] == pool.node[pool.home[t]]][:_LIGHTEST]
     group, end = max(pool.refs[t], key=lambda ge: ge[1]) if pool.refs[t] else (None, 0)
     have = [w for w in pool.fetchers.get(group, ()) if pool._prefix(group, w) >= end] if group is not None else []
     have = sorted(have, key=lambda w: times[w])[:_LIGHTEST]
@@ -224,8 +234,8 @@ def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
     for t, src, dst in reversed(done):
         pool._reselect(t, dst, src)
     workers = list(total)
-    rows = pool.state[workers] + np.array([total[w] for w in workers])
-    return workers, pool.seconds(rows)
+    state = pool.state
+    return workers, [pool.seconds_of([a + b for a, b in zip(state[w].tolist(), total[w])]) for w in workers]
 
 
 def _extended_sets(pool: _PoolTraffic, t: int, dst: int, by_worker) -> List[tuple]:
@@ -246,8 +256,8 @@ def _score(pool: _PoolTraffic, moves, star: int, times: np.ndarray, order: List[
     """(new max over workers, new time of star, moves) after the move set."""
     workers, new = _trial(pool, moves)
     rest = next((times[w] for w in order if w not in workers), 0.0)
-    star_time = float(new[workers.index(star)]) if star in workers else float(times[star])
-    return max(float(new.max()), float(rest)), star_time, moves
+    star_time = new[workers.index(star)] if star in workers else float(times[star])
+    return max(max(new), float(rest)), star_time, moves
 
 
 def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
@@ -255,9 +265,10 @@ def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
     first; the ``_EXTEND`` best of them are retried as group moves and swaps."""
     by_worker, by_home, by_doc = index
     order = np.argsort(-times, kind="stable").tolist()
+    light = order[::-1]
     singles = [_score(pool, ((t, dst),), star, times, order)
                for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc)
-               for dst in _destinations(pool, t, star, times)]
+               for dst in _destinations(pool, t, star, times, light)]
     if not singles:
         return None
     singles.sort(key=lambda k: (k[0], k[1], k[2]))
