@@ -138,6 +138,14 @@ def test_only_size_flags_and_listed_cpu_substitutions_change(stepped):
         assert {"--num-layers", "--hidden-size"} <= set(r["changed"]), name
 
 
+def _tile_placement(config_name: str) -> str:
+    """tile_placement of the Libra YAML a shipped ``configs/<name>.args`` reads (``--libra-config libra/*.yaml``)."""
+    args = (REPO / "configs" / f"{config_name}.args").read_text().split()
+    yaml_text = (REPO / "configs" / args[args.index("--libra-config") + 1]).read_text()
+    return next(line.split(":")[1].strip() for line in yaml_text.splitlines()
+                if line.strip().startswith("tile_placement:"))
+
+
 def test_one_libra_step_matches_plain_attention_for_every_config(stepped):
     """bf16 model: loss within 1e-2 and grad norm within 5e-2 relative of plain per-sample attention. A model's
     256K and 1M configs scale down to the same model and data, so they share the 256K run's reference."""
@@ -148,4 +156,11 @@ def test_one_libra_step_matches_plain_attention_for_every_config(stepped):
             assert abs(libra["loss"] - plain["loss"]) <= 1e-2 * abs(plain["loss"]), (name, libra, plain)
             assert abs(libra["grad_norm"] - plain["grad_norm"]) <= 5e-2 * plain["grad_norm"], (name, libra, plain)
             assert libra["loss"] > 5.0, (name, libra)  # ~ln(151936) = 11.9 at init: a real LM loss, not zero
-            assert libra["plan_bytes_sent"] > 0, name  # TAP moved tiles: the step exchanged Q/KV/O
+            if _tile_placement(name) == "time":
+                # time-aware placement prices this toy step with the full-size rates (400 TFLOP/s, 300 GB/s):
+                # a tile's attention takes ~1 us, moving its Q ~4 us, so every tile stays home (0 bytes); at
+                # full size it migrates (docs/sim.md, "Hiding the exchange"). The exchange still ran: the loss
+                # and gradients above went through libra_attn_func.
+                assert libra["plan_bytes_sent"] == 0, name
+            else:
+                assert libra["plan_bytes_sent"] > 0, name  # TAP moved tiles: the step exchanged Q/KV/O
