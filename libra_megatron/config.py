@@ -50,6 +50,7 @@ class TilePlacement(str, enum.Enum):
     HOME = "home"  # no migration: every tile runs at its Q-home (TAP off)
     ALG2 = "alg2"  # the paper's communication-aware greedy, Algorithm 2
     REFINED = "refined"  # Algorithm 2 then local moves that lower max load, never worse than ALG2
+    TIME = "time"  # Algorithm 2 then moves that lower the slowest worker's compute + exposed comm (plan.timeaware)
 
 
 class PackingMode(str, enum.Enum):
@@ -154,7 +155,8 @@ class LibraConfig:
     """Inter-pool placement of packed sequences: contiguous | alg1 | refined | sync (balance lane totals and
     each lane's microbatches, per instance where EP ties lanes; ``plan.lanes``)."""
     tile_placement: TilePlacement = TilePlacement.ALG2
-    """Intra-pool SH-Tile placement: home | alg2 | refined."""
+    """Intra-pool SH-Tile placement: home | alg2 | refined | time (Alg. 2, then moves that lower the predicted
+    slowest worker's compute + exposed comm under ``plan.timing``'s default rates; never slower than alg2 there)."""
     packing: PackingMode = PackingMode.MEGATRON
     """Packing used by the simulator and synthetic corpora; GPTDataset training always packs megatron-style."""
     kernel_backend: KernelBackendName = KernelBackendName.AUTO

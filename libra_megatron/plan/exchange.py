@@ -229,10 +229,18 @@ class ExchangePlan:
     bytes_o: int = 0
     arranged_q_units: np.ndarray = None  # int64 [W]: Q units each destination hosts (its arranged Q rows)
     arranged_kv_units: np.ndarray = None  # int64 [W]: KV units each destination fetches (its arranged KV rows)
+    peer_units: np.ndarray = None  # int64 [2, W, W]: (Q, KV) units worker src sends to dst per layer forward
+    # (self included; O returns the Q units dst -> src). ``plan.traffic`` turns it into bytes per link and chunk.
 
     @property
     def num_workers(self) -> int:
         return len(self.ranks)
+
+    @property
+    def heads(self) -> HeadLayout:
+        """The HeadLayout every rank plan shares (read without building a RankPlan when they are lazy)."""
+        tables = getattr(self.ranks, "_tables", None)
+        return tables.heads if tables is not None else self.ranks[0].heads
 
     def for_rank(self, rank: int) -> RankPlan:
         if not 0 <= rank < len(self.ranks):
@@ -532,6 +540,13 @@ def _bytes_sent(q: _UnitRuns, kv: _UnitRuns, heads: HeadLayout, num_workers: int
     return (np.stack([q_units, kv_units, o_units], axis=1).astype(np.int64) * per_unit).astype(np.int64)
 
 
+def _peer_units(q: _UnitRuns, kv: _UnitRuns, num_workers: int) -> np.ndarray:
+    """int64 [2, W, W]: (Q, KV) units every (src, dst) pair of the run tables moves (self included)."""
+    W = num_workers
+    return np.stack([np.bincount(r.src * W + r.dst, weights=r.count, minlength=W * W).reshape(W, W)
+                     for r in (q, kv)]).astype(np.int64)
+
+
 def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray, varlen: _Varlen) -> str:
     """sha256 (first 128 bits, hex) over layout, heads, docs, assignment, Q runs, KV pairs and varlen.
 
@@ -595,4 +610,5 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
         ranks=_LazyRankPlans(tables), assignment=assignment, fingerprint=fp,
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
         arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
+        peer_units=_frozen(_peer_units(q_runs, kv_runs, W)),
     )

@@ -17,7 +17,7 @@ equals the sum of Eq. 8 along Algorithm 2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from ..config import TilePlacement
 from .alg2 import capacity, place_alg2, tile_loads
 from .kv_refs import fetched_groups
 from .tiles import TileSet
+from .timeaware import refine_for_time
+from .timing import StepTimeModel
 
 __all__ = ["TilePlacementResult", "place_tiles", "assignment_comm_bytes", "worker_loads"]
 
@@ -146,15 +148,22 @@ def _run_refined(tiles: TileSet, tau: float, tile_cost=None):
     return start, cap, fallbacks, comm
 
 
+def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
+    start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
+    timed = refine_for_time(tiles, start, timing or StepTimeModel(tiles.heads.head_dim))
+    return timed, cap, fallbacks, assignment_comm_bytes(tiles, timed)
+
+
 _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
     TilePlacement.HOME: _run_home,
     TilePlacement.ALG2: place_alg2,
     TilePlacement.REFINED: _run_refined,
+    TilePlacement.TIME: _run_time,
 }
 
 
 def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
-                tile_cost=None) -> TilePlacementResult:
+                tile_cost=None, timing: Optional[StepTimeModel] = None) -> TilePlacementResult:
     """Assign every SH-Tile of the pool to one of its W = P*CP workers (Algorithm 2 by default).
 
     HOME: every tile at its Q-home. ALG2: Algorithm 2 exactly (ties as in the paper: feasible branch
@@ -163,8 +172,14 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     tile_cost: optional float64 [num_tiles] (>= 0, any unit, e.g. seconds from
     ``plan.cost.TileCostModel.tile_costs``) used as f_t instead of Eq. 6 ``tiles.tile_flops()``; C, the
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
+    TIME: ALG2, then ``plan.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
+    the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
     """
-    assignment, cap, fallbacks, comm = _PLACERS[TilePlacement(method)](tiles, tau, tile_cost)
+    method = TilePlacement(method)
+    if timing is not None and method is not TilePlacement.TIME:
+        raise ValueError(f"place_tiles: a timing model is only read by tile placement 'time', not {method.value!r}")
+    extra = (timing,) if method is TilePlacement.TIME else ()
+    assignment, cap, fallbacks, comm = _PLACERS[method](tiles, tau, tile_cost, *extra)
     return TilePlacementResult(
         assignment=assignment,
         loads=worker_loads(tiles, assignment, tile_cost),

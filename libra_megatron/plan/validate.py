@@ -17,7 +17,8 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
   bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of the rows of
              r's prefix of g it does not hold (``tiles.group_remote_bytes``) + sum over migrated tiles of
              V_Q + V_O; per-rank
-             ``bytes_sent`` equals the remote units its routes move
+             ``bytes_sent`` equals the remote units its routes move; ``peer_units`` (what ``plan.traffic``
+             prices per link and Pipeliner phase) equals every rank's per-peer route splits
 Cost: O(total units of all ranks) -- meant for tests and debug runs, not for every step at scale.
 """
 from __future__ import annotations
@@ -51,6 +52,19 @@ def validate_plan(plan: ExchangePlan, tiles) -> None:
         _check_kv_dedup(arranged_kv[w], w)
         _check_varlen(rp, tiles, arranged_q[w], arranged_kv[w])
     _check_bytes(plan, tiles, ranks)
+    _check_peer_units(plan, ranks)
+
+
+def _check_peer_units(plan: ExchangePlan, ranks) -> None:
+    """``plan.peer_units[kind][w]`` must be rank w's send splits of the Q (kind 0) and KV (kind 1) routes."""
+    if plan.peer_units is None:
+        return
+    for kind, name in enumerate(("q_route", "kv_route")):
+        for w, rp in enumerate(ranks):
+            splits = getattr(rp, name).send_splits
+            if not np.array_equal(plan.peer_units[kind][w], splits):
+                raise PlanError(f"rank {w}: peer_units of {name} {plan.peer_units[kind][w].tolist()} != its "
+                                f"send_splits {splits.tolist()}")
 
 
 # ------------------------------------------------------------------ structure

@@ -50,12 +50,19 @@ class ExchangeStats:
                       when the backward re-exchanges instead of saving arranged tensors).
     kernel_seconds    thread CPU time spent inside attention kernel calls (fwd + bwd)
     saved_bytes       bytes the last forward kept alive for backward (``plan.memory`` predicts it)
+    wait_seconds[kind] host wall time blocked waiting for that kind's exchanges to arrive. Meaningful on CPU
+                      gloo only (its wait blocks until the data is there); a CUDA/NCCL wait only orders
+                      streams, so there it measures nothing (``benchmarks/bench_exchange_wait_cpu.py``).
     """
 
     bytes_sent: Dict[str, int] = field(default_factory=dict)
     kernel_seconds: float = 0.0
     kernel_calls: int = 0
     saved_bytes: int = 0
+    wait_seconds: Dict[str, float] = field(default_factory=dict)
+
+    def add_wait(self, kind: str, seconds: float) -> None:
+        self.wait_seconds[kind] = self.wait_seconds.get(kind, 0.0) + float(seconds)
 
     def add_bytes(self, kind: str, num_bytes: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + int(num_bytes)
@@ -216,15 +223,20 @@ def cached_table_bytes() -> int:
 class PendingExchange:
     """An in-flight all_to_all. ``wait()`` returns the received rows (arrival order)."""
 
-    def __init__(self, work, received: torch.Tensor, index: RouteIndex, send: Optional[torch.Tensor] = None):
+    def __init__(self, work, received: torch.Tensor, index: RouteIndex, send: Optional[torch.Tensor] = None,
+                 stats: Optional[ExchangeStats] = None, kind: str = ""):
         self._work = work
         self._send = send  # keep the send buffer alive until the collective is done (async NCCL)
         self.received = received
         self.index = index
+        self._stats, self._kind = stats, kind
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            start = time.perf_counter()
             self._work.wait()
+            if self._stats is not None:
+                self._stats.add_wait(self._kind, time.perf_counter() - start)
             self._work, self._send = None, None
         return self.received
 
@@ -266,4 +278,4 @@ def start_exchange(send: torch.Tensor, index: RouteIndex, group, stats: Optional
     received = send.new_empty((sum(index.splits.recv),) + tuple(send.shape[1:]))
     work = dist.all_to_all_single(received, send, output_split_sizes=list(index.splits.recv),
                                   input_split_sizes=list(index.splits.send), group=group, async_op=async_op)
-    return PendingExchange(work if async_op else None, received, index, send)
+    return PendingExchange(work if async_op else None, received, index, send, stats, kind)

@@ -34,6 +34,7 @@ from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
 from .cost import CalibrationTable, CostModel
+from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
 from .report import ProgressBar, format_table
 from .runner import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs, run_simulation
 from .sync import format_sync
@@ -109,6 +110,11 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--wlb-cap-factor", type=float, default=1.25,
                    help="WLB-LLM baseline: token cap of a re-packed sequence = factor * --seq-len")
     g.add_argument("--no-distca", action="store_true", help="skip the DistCA (P = DP) baseline")
+    g.add_argument("--megatron-hybrid-cp", action="store_true",
+                   help="add Megatron-LM's hybrid-CP balancer (BalancedCPScheduler, run by megatron-core in a "
+                        "subprocess) as a baseline on the same windows")
+    g.add_argument("--megatron-max-seqlen-per-rank", type=int, default=None, metavar="N",
+                   help="its --max-seqlen-per-dp-cp-rank (default: --seq-len / --cp)")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +202,16 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     ).validate()
 
 
+def _hybrid_cp(args: argparse.Namespace) -> Optional[HybridCpBaseline]:
+    """The Megatron-LM hybrid-CP baseline the flags ask for (None without ``--megatron-hybrid-cp``)."""
+    cap = args.megatron_max_seqlen_per_rank
+    if cap is not None and not args.megatron_hybrid_cp:
+        raise ValueError("--megatron-max-seqlen-per-rank needs --megatron-hybrid-cp")
+    if cap is not None and cap < 1:
+        raise ValueError(f"--megatron-max-seqlen-per-rank must be a positive integer, got {cap}")
+    return HybridCpBaseline(subprocess_scheduler(), cap) if args.megatron_hybrid_cp else None
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """``--json`` and ``--plots`` can be written (and matplotlib is there for plots); creates nothing."""
     if args.json is not None:
@@ -235,10 +251,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     """The simulator; bad input raises ValueError naming the flag or file (``main`` turns it into one line)."""
     args = build_parser().parse_args(argv)
     spec = spec_from_args(args)
+    _hybrid_cp(args)  # flag errors before any work
     check_outputs(args)
     doc_lens = _load_traces(args.trace, spec)  # checks every path before reading any
     progress = ProgressBar(enabled=not args.no_progress and sys.stderr.isatty())
-    result = run_simulation(doc_lens, spec, progress=progress, jobs=args.jobs)
+    result = run_simulation(doc_lens, spec, progress=progress, jobs=args.jobs, megatron_hybrid_cp=_hybrid_cp(args))
     report = result.to_json()
     report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]
     print(format_table(report))

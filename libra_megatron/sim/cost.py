@@ -33,6 +33,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..paths import read_json
+from ..plan.timing import StepTimeModel, exposed_seconds
 
 __all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds", "unhidable_share"]
 
@@ -48,10 +49,8 @@ def attention_flops(pair_heads, head_dim: int) -> np.ndarray:
 def exposed_comm_seconds(comm, compute, num_chunks: int, unhidable_share=None) -> np.ndarray:
     """Communication left on the critical path after Pipeliner overlap (module docstring formula);
     ``unhidable_share`` u per worker (default 1/M: traffic spread evenly over the chunks)."""
-    comm = np.asarray(comm, dtype=np.float64)
-    compute = np.asarray(compute, dtype=np.float64)
-    u = 1.0 / num_chunks if unhidable_share is None else np.asarray(unhidable_share, dtype=np.float64)
-    return comm - np.minimum(comm * (1.0 - u), compute)
+    u = 1.0 / num_chunks if unhidable_share is None else unhidable_share
+    return exposed_seconds(comm, compute, u)
 
 
 def unhidable_share(q_bytes, kv_bytes, o_bytes, num_chunks: int, kv_send_chunks: int) -> np.ndarray:
@@ -164,6 +163,11 @@ class CostModel:
     def worker_seconds(self, compute, comm, unhidable=None) -> np.ndarray:
         """compute + exposed comm (Pipeliner overlap with M = num_chunks chunks; ``unhidable`` = u per worker)."""
         return np.asarray(compute, dtype=np.float64) + exposed_comm_seconds(comm, compute, self.num_chunks, unhidable)
+
+    def step_time_model(self, first_gpu: int) -> StepTimeModel:
+        """The constant-rate model ``plan.timeaware`` places by (the calibration table, if any, is not used)."""
+        return StepTimeModel(self.head_dim, self.attn_tflops, self.intra_node_gbps, self.inter_node_gbps,
+                             self.gpus_per_node, int(first_gpu))
 
     def assumptions(self) -> Dict[str, object]:
         """JSON-ready record of what the time estimates assumed."""

@@ -3,7 +3,9 @@
 Imports only ``libra_megatron.plan``. Worker ids are pool-local (w = p*CP + c, ``plan.layout``); a
 pool whose first GPU has global index ``first_gpu`` puts worker w on node (first_gpu + w) // gpus_per_node.
 
-Per-worker traffic (bytes per layer forward) mirrors what the exchange plan moves:
+Per-worker link bytes, and the Pipeliner phase they travel in, are read off the ExchangePlan built for
+the assignment (``plan.traffic.plan_traffic``: the executed routes' per-peer units). ``traffic_edges`` is an
+independent re-derivation from the tiles (kept to cross-check the plan in tests/sim):
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
     KV  holder -> r for every distinct (KV group, destination r) pair and every run of the group's rows
@@ -19,12 +21,14 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..config import KvFetch, TilingPolicy
+from ..config import KvFetch, TilePlacement, TilingPolicy
+from ..plan.exchange import build_exchange_plan
 from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
 from ..plan.layout import HeadLayout, TokenLayout
 from ..plan.placement import TilePlacementResult, place_tiles
 from ..plan.tiles import TileSet, build_tiles
-from .cost import CostModel, unhidable_share
+from ..plan.traffic import plan_traffic
+from .cost import CostModel
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
            "PoolKnobs"]
@@ -108,21 +112,20 @@ def evaluate_pool(tiles: TileSet, tau: float, method, cost: CostModel, first_gpu
 
 
 def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, first_gpu: int) -> PoolResult:
-    """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``)."""
+    """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``).
+
+    Bytes per link and worker, and the Pipeliner phase they travel in, come from the ExchangePlan the
+    runtime would execute for this assignment (``plan.traffic``)."""
     assert cost.num_chunks == tiles.heads.num_chunks
-    edges = traffic_edges(tiles, placed.assignment)
+    traffic = plan_traffic(build_exchange_plan(tiles, placed.assignment))
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
-    intra, inter = link_bytes(edges, nodes)
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
-    comm = cost.comm_seconds(intra, inter)
-    by_kind = [np.bincount(np.concatenate([edges.src[edges.kind == k], edges.dst[edges.kind == k]]),
-                           weights=np.tile(edges.nbytes[edges.kind == k], 2).astype(np.float64),
-                           minlength=tiles.num_workers) for k in range(3)]  # bytes a worker sends or receives
-    u = unhidable_share(*by_kind, cost.num_chunks, int(tiles.heads.kv_send_chunks().sum()))
+    comm = cost.comm_seconds(*traffic.link_bytes(nodes))
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, comm_seconds=comm,
-        seconds=cost.worker_seconds(compute, comm, u), bytes_qkvo=tuple(int(b) for b in placed.comm_bytes),
-        num_tiles=tiles.num_tiles, num_fallback=int(placed.num_fallback),
+        seconds=cost.worker_seconds(compute, comm, traffic.unhidable_share()),
+        bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
+        num_fallback=int(placed.num_fallback),
     )
 
 
@@ -175,10 +178,13 @@ class PoolEvaluator:
         hit = self._cache.get(key)
         if hit is None:
             tiles = self._tileset(tkey, knobs)
-            pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token())
+            timed = TilePlacement(method) is TilePlacement.TIME  # places by node, so the node offset is a key
+            node_offset = first_gpu % self.cost.gpus_per_node if timed else None
+            pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)
             if placed is None:
-                placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method)
+                timing = self.cost.step_time_model(first_gpu) if timed else None
+                placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method, timing=timing)
             hit = self._cache[key] = pool_result(tiles, placed, self._cost(knobs.num_chunks), first_gpu)
         return hit
 

@@ -45,6 +45,8 @@ _COLUMNS = (  # header, width, getter
     ("KV GB", 7, lambda c: f"{c['bytes_per_layer']['kv'] / 1e9:.2f}"),
     ("O GB", 7, lambda c: f"{c['bytes_per_layer']['o'] / 1e9:.2f}"),
     ("step ms", 8, lambda c: f"{c['estimated_step_seconds'] * 1e3:.2f}"),
+    ("comp ms", 8, lambda c: f"{c['compute_seconds'] * 1e3:.2f}"),
+    ("exp ms", 7, lambda c: f"{c['exposed_comm_seconds'] * 1e3:.2f}"),
     ("vs Uly", 7, lambda c: f"{c['straggler_vs_ulysses']:.3f}"),
     ("max vs Uly", 10, lambda c: f"{c['straggler_max_vs_ulysses']:.3f}"),
     ("vs LB", 6, lambda c: f"{c['straggler_vs_lower_bound']:.3f}"),
@@ -73,6 +75,16 @@ def _speedup(cand: Dict, name: str) -> str:
     return "-" if base is None else f"{base['speedup_vs_ulysses']:.2f}"
 
 
+def _megatron_line(report: Dict) -> List[str]:
+    """One line for the Megatron-LM hybrid-CP baseline when the run had it."""
+    meg = report["baselines"].get("megatron_hybrid_cp")
+    if not meg:
+        return []
+    return [f"Megatron-LM hybrid CP (BalancedCPScheduler, max {meg['max_seqlen_per_rank']} tokens/rank): mean step "
+            f"{meg['mean_step_seconds'] * 1e3:.2f} ms (compute {meg['compute_seconds'] * 1e3:.2f} + exposed comm "
+            f"{meg['exposed_comm_seconds'] * 1e3:.2f}), vs LB {meg['straggler_vs_lower_bound']:.3f}"]
+
+
 def format_table(report: Dict) -> str:
     """The stdout report of one run (``SimResult.to_json()`` as input)."""
     columns = _columns(report["candidates"])
@@ -92,10 +104,11 @@ def format_table(report: Dict) -> str:
         f"Ulysses: mean step {uly['mean_step_seconds'] * 1e3:.2f} ms, max {uly['max_step_seconds'] * 1e3:.2f} ms;"
         f"  WLB-LLM (no deferral): mean {wlb['mean_step_seconds'] * 1e3:.2f} ms (x{wlb['speedup_vs_ulysses']:.2f}),"
         f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",
+        *_megatron_line(report),
         f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}{swept}: estimated step "
         f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
         "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra (max) = worker max/mean-1 (Eq. 6), mean (worst) over"
         " pools; GB = remote bytes per pool"
-        " per layer fwd; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
+        " per layer fwd; comp/exp ms = the straggler's compute and exposed comm, mean per step; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
     ]
     return "\n".join(rows)

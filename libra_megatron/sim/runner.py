@@ -46,6 +46,7 @@ from ..plan.sync import SyncLayout
 from ..plan.workload import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
 from .cost import CostModel
+from .hybrid_cp import HybridCpBaseline, HybridCpDims
 from .pools import PoolEvaluator, PoolKnobs, PoolResult
 from .sync import SyncAccum, describe_layout, score_orders
 
@@ -253,11 +254,24 @@ class _Steps:
     """Per-step straggler seconds of one variant over all windows."""
 
     seconds: List[float] = field(default_factory=list)
+    compute: List[float] = field(default_factory=list)  # the straggler's compute part of each step (Libra variants)
+
+    def extend(self, seconds, compute) -> None:
+        self.seconds.extend(np.asarray(seconds, dtype=np.float64).tolist())
+        self.compute.extend(np.asarray(compute, dtype=np.float64).tolist())
+
+    def split(self) -> Dict[str, float]:
+        """Mean per step of the straggler's compute and exposed communication (they sum to the mean step)."""
+        if not self.compute:
+            return {}
+        s, c = np.asarray(self.seconds), np.asarray(self.compute)
+        return {"compute_seconds": float(c.mean()), "exposed_comm_seconds": float((s - c).mean())}
 
     def summary(self, ulysses: "_Steps") -> Dict[str, float]:
         s, u = np.asarray(self.seconds), np.asarray(ulysses.seconds)
         return {"mean_step_seconds": float(s.mean()), "max_step_seconds": float(s.max()),
-                "speedup_vs_ulysses": float(u.sum() / s.sum()), "max_speedup_vs_ulysses": float(u.max() / s.max())}
+                "speedup_vs_ulysses": float(u.sum() / s.sum()), "max_speedup_vs_ulysses": float(u.max() / s.max()),
+                **self.split()}
 
 
 @dataclass
@@ -322,6 +336,7 @@ class Candidate:
             "straggler_vs_ulysses": float(libra.sum() / np.sum(ulysses.seconds)),
             "straggler_max_vs_ulysses": float(libra.max() / np.max(ulysses.seconds)),
             "straggler_vs_lower_bound": float(libra.sum() / np.sum(self.lower_bound)),
+            **self.steps["libra"].split(),
             "bytes_per_layer": {"q": float(bytes_mean[0]), "kv": float(bytes_mean[1]), "o": float(bytes_mean[2])},
             "estimated_step_seconds": self.estimated_step_seconds,
             "max_step_seconds": float(libra.max()),
@@ -377,6 +392,22 @@ class _OrderRun:
     pools: List[PoolResult]
     pool_step: np.ndarray
     pool_first_dp: np.ndarray
+    step_compute: np.ndarray = None  # [GA] compute seconds of each step's straggler worker
+
+
+def _straggler_compute(pools: List[PoolResult], pool_step: np.ndarray, num_steps: int) -> np.ndarray:
+    """[GA]: compute seconds of the slowest worker of every step (its exposed comm is the rest of the step).
+    Workers within 1e-9 (relative) of the step's maximum tie; the tie goes to the largest compute, so the
+    exposed share is never overstated."""
+    seconds = np.concatenate([p.seconds for p in pools])
+    compute = np.concatenate([p.compute_seconds for p in pools])
+    step = np.repeat(pool_step, [p.seconds.size for p in pools])
+    top = np.zeros(num_steps)
+    np.maximum.at(top, step, seconds)
+    out = np.zeros(num_steps)
+    tied = seconds >= top[step] * (1.0 - 1e-9)
+    np.maximum.at(out, step[tied], compute[tied])
+    return out
 
 
 def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int,
@@ -389,7 +420,7 @@ def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size:
              for k in range(num_pools)]
     step_seconds = np.zeros(spec.num_steps)
     np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
-    return _OrderRun(step_seconds, pools, step, first_dp)
+    return _OrderRun(step_seconds, pools, step, first_dp, _straggler_compute(pools, step, spec.num_steps))
 
 
 def _step_workers(run: _OrderRun, step: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -416,8 +447,13 @@ def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
     ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
     heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
     uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
-    lb = float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / (spec.num_steps * dp * cp)
-    return _Window(w, ids, corpus.flops[ids], uly, lb)
+    return _Window(w, ids, corpus.flops[ids], uly, _lower_bound_step(corpus, ids, spec))
+
+
+def _lower_bound_step(corpus: "_Corpus", ids: np.ndarray, spec: SimSpec) -> float:
+    """The window's attention work at peak rate spread perfectly over GA*DP*CP workers, no communication."""
+    workers = spec.num_steps * spec.data_parallel_size * spec.context_parallel_size
+    return float(spec.cost.peak_compute_seconds(corpus.pair_heads[ids].sum())) / workers
 
 
 def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
@@ -429,9 +465,11 @@ def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
     return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
 
 
-def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> np.ndarray:
+def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
+    """(step seconds, straggler compute seconds) of the DistCA-scope variant."""
     order = np.arange(spec.global_batch_size, dtype=np.int64)
-    return _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec).step_seconds
+    run = _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec)
+    return run.step_seconds, run.step_compute
 
 
 def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -465,7 +503,7 @@ def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
     for variant, (order_name, method) in _VARIANT_PLAN.items():
         method = method or spec.tile_placement
         run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, cand.knobs, method, spec)
-        cand.steps[variant].seconds.extend(run.step_seconds.tolist())
+        cand.steps[variant].extend(run.step_seconds, run.step_compute)
         if variant == "libra":
             _record_libra(cand, run, win, spec)
     cand.lower_bound.extend([win.lower_bound_step] * spec.num_steps)
@@ -518,6 +556,7 @@ class SimResult:
     seconds: float = 0.0
     window_cv: List[float] = field(default_factory=list)  # CV of F_i per window (Eq. 3 input)
     orders_dump: List[Dict[str, object]] = field(default_factory=list)  # --dump-orders lines, window order
+    megatron_hybrid_cp: Optional[Dict[str, float]] = None  # ``sim.hybrid_cp`` summary when asked for
 
     def recommended(self) -> Candidate:
         """argmin of the objective (``OBJECTIVE``); ties go to smaller (P, H, B, tau, M), then the earlier
@@ -552,7 +591,10 @@ class SimResult:
             "num_windows": self.num_windows, "num_sequences": self.num_sequences,
             "num_documents": self.num_documents, "runtime_seconds": self.seconds,
             "assumptions": self._assumptions(),
-            "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses)},
+            "baselines": {"ulysses": self.ulysses.summary(self.ulysses), "wlb_llm": self.wlb.summary(self.ulysses),
+                          **({"megatron_hybrid_cp": self.megatron_hybrid_cp} if self.megatron_hybrid_cp else {})},
+            **({"megatron_hybrid_cp_straggler_vs_lower_bound": self.megatron_hybrid_cp["straggler_vs_lower_bound"]}
+               if self.megatron_hybrid_cp else {}),
             "candidates": [c.to_json(self.ulysses, self.spec.sync_layout(c.pool_size)) for c in self.candidates],
             "recommended": {"pool_size": best.pool_size, "head_split": best.head_split, "block_size": best.block_size,
                             "tau": best.tau, "num_chunks": best.num_chunks, "tiling": best.tiling.value,
@@ -579,7 +621,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
     flops = corpus.flops[win.ids]
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
-    distca: Dict[PoolKnobs, np.ndarray] = {}
+    distca: Dict[PoolKnobs, Tuple[np.ndarray, np.ndarray]] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
         if spec.dump_orders:
@@ -592,7 +634,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
             if spec.distca and cand.knobs not in distca:
                 distca[cand.knobs] = _distca_steps(ev, win, cand.knobs, spec)
             if spec.distca:
-                cand.steps["distca"].seconds.extend(distca[cand.knobs].tolist())
+                cand.steps["distca"].extend(*distca[cand.knobs])
     ev.clear()
 
 
@@ -612,7 +654,7 @@ def _merge_window(into: SimResult, part: SimResult) -> None:
         for key, values in theirs.inter.items():
             mine.inter[key].extend(values)
         for name, steps in theirs.steps.items():
-            mine.steps[name].seconds.extend(steps.seconds)
+            mine.steps[name].extend(steps.seconds, steps.compute)
         mine.intra.extend(theirs.intra)
         mine.bytes_qkvo.extend(theirs.bytes_qkvo)
         mine.num_tiles.extend(theirs.num_tiles)
@@ -645,11 +687,24 @@ def _window_results(num_windows: int, jobs: int):
         yield from pool.imap(_window_job, range(num_windows))
 
 
+def _megatron_hybrid_cp(baseline: HybridCpBaseline, corpus: "_Corpus", num_windows: int, spec: SimSpec) -> Dict:
+    """Megatron-LM's hybrid-CP balancer on every window's documents, priced by ``sim.hybrid_cp``."""
+    gbs = spec.global_batch_size
+    ids = [np.arange(w * gbs, (w + 1) * gbs) for w in range(num_windows)]
+    windows = [np.concatenate([corpus.segments[i] for i in win]).astype(int).tolist() for win in ids]
+    lower = [_lower_bound_step(corpus, win, spec) * spec.num_steps for win in ids]
+    dims = HybridCpDims(spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    return baseline.evaluate(windows, lower, spec.num_steps, dims, spec.cost,
+                             spec.data_parallel_size * spec.context_parallel_size, spec.seq_len,
+                             spec.context_parallel_size)
+
+
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
-                   jobs: int = 1) -> SimResult:
+                   jobs: int = 1, megatron_hybrid_cp: Optional[HybridCpBaseline] = None) -> SimResult:
     """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B, tau, M) and the baselines.
 
     ``jobs`` > 1 simulates windows in that many forked processes; results are identical to jobs=1.
+    ``megatron_hybrid_cp`` adds Megatron-LM's hybrid-CP balancer on the same windows (``sim.hybrid_cp``).
     """
     start = time.perf_counter()
     spec.validate()
@@ -671,5 +726,7 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
                 progress(done, num_windows)
     finally:
         _WORKER.clear()
+    if megatron_hybrid_cp is not None:
+        result.megatron_hybrid_cp = _megatron_hybrid_cp(megatron_hybrid_cp, corpus, num_windows, spec)
     result.seconds = time.perf_counter() - start
     return result

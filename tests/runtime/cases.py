@@ -143,7 +143,8 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
                 saved_predicted=predicted,
                 kv_recv_bytes=kv_recv_remote * rp.heads.kv_bytes_per_token(), saved_bytes=stats.saved_bytes,
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
-                kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)))
+                kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)),
+                waited=sorted(stats.wait_seconds))
 
 
 @contextlib.contextmanager

@@ -88,6 +88,8 @@ def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
             else:
                 assert "q_bwd" not in got and r["saved_bytes"] > 0
             assert r["saved_bytes"] == r["saved_predicted"], (i, rank, case["save_mode"])  # plan.memory
+            # every exchange this rank waited on was timed (CPU gloo: ExchangeStats.wait_seconds, the benchmark's input)
+            assert {"q", "kv", "o", "do", "dq", "dkv"} <= set(r["waited"]), (i, rank, r["waited"])
         total_kv = sum(res["libra"][i]["bytes"].get("kv", 0) for res in results)
         assert total_kv == sum(res["libra"][i]["bytes"].get("dkv", 0) for res in results)
 

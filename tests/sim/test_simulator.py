@@ -76,11 +76,11 @@ def _unhidable_share(plan, rank, heads):
 def _reference_libra(P, H, B):
     """Recompute steps, bytes and intra imbalance from plan/ records alone (sync VRSP, the default, + Alg. 2)."""
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
-    steps, byte_rows, intra = [], [], []
+    steps, byte_rows, intra, step_compute = [], [], [], []
     for seqs in _windows():
         flops = np.array([float((s.astype(float) ** 2).sum()) for s in seqs])
         order = place_sequences(flops, P, SequencePlacement.SYNC, SyncLayout(4, P, 2))  # DP=4, GA=2
-        step_max = np.zeros(2)
+        step_max, straggler_compute, pool_workers = np.zeros(2), np.zeros(2), []
         for k in range(8 // P):
             tiles = build_tiles([seqs[i] for i in order[k * P:(k + 1) * P]], layout, heads, B)
             placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
@@ -97,8 +97,13 @@ def _reference_libra(P, H, B):
                 u = _unhidable_share(plan, r, heads)
                 seconds.append(compute[r] + comm - min(comm * (1 - u), compute[r]))
             step_max[k * P // 4] = max(step_max[k * P // 4], max(seconds))
+            pool_workers.append((k * P // 4, np.array(seconds), compute))
+        for step, seconds, compute in pool_workers:  # the straggler; ties (1e-9) go to the largest compute
+            tied = seconds >= step_max[step] * (1 - 1e-9)
+            straggler_compute[step] = max(straggler_compute[step], compute[tied].max(initial=0.0))
         steps.extend(step_max.tolist())
-    return np.array(steps), np.mean(byte_rows, axis=0), float(np.mean(intra))
+        step_compute.extend(straggler_compute.tolist())
+    return np.array(steps), np.mean(byte_rows, axis=0), float(np.mean(intra)), np.array(step_compute)
 
 
 def test_json_has_schema_keys_and_grid(report):
@@ -146,13 +151,17 @@ def _ulysses_steps():
 @pytest.mark.parametrize("P, H, B", [(2, 1, 8), (4, 2, 16), (4, 1, 8)])
 def test_candidate_matches_independent_plan_recomputation(report, P, H, B):
     cand = next(c for c in report["candidates"] if (c["pool_size"], c["head_split"], c["block_size"]) == (P, H, B))
-    steps, byte_mean, intra = _reference_libra(P, H, B)
+    steps, byte_mean, intra, step_compute = _reference_libra(P, H, B)
     uly = _ulysses_steps()
     assert np.isclose(report["baselines"]["ulysses"]["mean_step_seconds"], uly.mean())
     assert np.allclose([cand["bytes_per_layer"][k] for k in "q kv o".split()], byte_mean)
     assert np.isclose(cand["intra_pool_imbalance"], intra)
     assert np.isclose(cand["estimated_step_seconds"], steps.mean())
     assert np.isclose(cand["straggler_vs_ulysses"], steps.sum() / uly.sum())
+    # the step splits into the straggler's compute and its exposed communication, mean per step
+    assert np.isclose(cand["compute_seconds"], step_compute.mean())
+    assert np.isclose(cand["exposed_comm_seconds"], (steps - step_compute).mean())
+    assert cand["exposed_comm_seconds"] > 0  # the synthetic link rates make communication visible
 
 
 def test_recommended_is_argmin_of_estimated_step_time(report):

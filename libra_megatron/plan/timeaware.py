@@ -1,0 +1,296 @@
+"""Time-aware SH-Tile placement (issue 14): Algorithm 2, then moves that lower the slowest worker's time.
+
+Pure Python + numpy. Algorithm 2 balances FLOPs and prices bytes only among workers with headroom; it
+never trades a little balance for much less traffic, and it does not know which bytes cross nodes. Here
+the objective is the step time of ``plan.timing`` (compute + exposed communication, per worker, from the
+traffic the exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as
+``plan.traffic``). Starting from Algorithm 2's assignment, each round takes the slowest worker w* and
+tries single-tile moves that touch it:
+    tiles w* hosts                   -> their Q-home, the lightest workers, workers on w*'s node
+    tiles whose Q-home is w*         -> back to w*, or onto w*'s node
+    tiles fetching K/V rows from w*  -> w*, the lightest workers of w*'s node, or a worker that already
+                                        fetched a long enough prefix of the tile's group (no new bytes)
+and applies the best one if it lowers (max over workers, time of w*) lexicographically without raising
+the max. So the result is never slower than Algorithm 2 under the model (tested), even where it leaves
+more FLOPs imbalance. Moves are evaluated incrementally: only the workers a move touches are re-priced.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from .tiles import TileSet
+from .timing import StepTimeModel
+
+__all__ = ["refine_for_time", "worker_times", "MAX_MOVES_PER_WORKER"]
+
+MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
+_TILES_PER_KIND = 10  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
+_LIGHTEST = 3  # lightest workers tried as destinations (globally and on a node)
+_SWAPS = 2  # tiles of a destination tried as swap partners
+_EXTEND = 10  # best single moves retried as group moves and swaps
+_EPS = 1e-12
+
+# columns of the per-worker state: link bytes, bytes per kind (sent + received), compute seconds
+_IS, _IR, _ES, _ER, _Q, _KV, _O, _C = range(8)
+
+
+class _PoolTraffic:
+    """Per-worker bytes and compute of an assignment, updated one tile move at a time."""
+
+    def __init__(self, tiles: TileSet, assignment: np.ndarray, model: StepTimeModel):
+        self.tiles, self.model = tiles, model
+        W, heads = tiles.num_workers, tiles.heads
+        self.node = model.nodes(W).tolist()
+        self.assignment = [int(a) for a in assignment]
+        self.home = tiles.tile_home().tolist()
+        self.q_bytes = (tiles.tile_tokens() * heads.q_bytes_per_token()).astype(float).tolist()
+        self.compute = model.compute_seconds(tiles.tile_flops()).tolist()
+        self.kv_bytes = float(heads.kv_bytes_per_token())
+        self.num_chunks = heads.num_chunks
+        self.kv_chunks = int(heads.kv_send_chunks().sum())
+        self.refs = [tuple(zip(*(x.tolist() for x in tiles.tile_kv_refs(t)))) for t in range(tiles.num_tiles)]
+        G = tiles.num_kv_classes
+        ptr = tiles.doc_home_ptr
+        self.holders = [tuple(zip(tiles.doc_home_worker[ptr[d]:ptr[d + 1]].tolist(),
+                                  tiles.doc_home_offset[ptr[d]:ptr[d + 1]].tolist(),
+                                  tiles.doc_home_count[ptr[d]:ptr[d + 1]].tolist())) for d in range(tiles.num_docs)]
+        self.G = G
+        self.ends: Dict[Tuple[int, int], Dict[int, int]] = defaultdict(dict)  # (group, w) -> {kv_end: tiles}
+        self.fetchers: Dict[int, set] = defaultdict(set)  # group -> workers with a prefix of it selected
+        self.state = np.zeros((W, 8))
+        self.intra_bps, self.inter_bps = model.intra_node_gbps * 1e9, model.inter_node_gbps * 1e9
+        for t, w in enumerate(self.assignment):
+            self._apply(self._delta(t, None, w), t, None, w)
+
+    # ----------------------------------------------------------------- pricing
+    def seconds_of(self, row) -> float:
+        """Seconds of one worker with state ``row`` (8 floats): ``seconds`` for one row, in plain Python."""
+        comm = max(max(row[_IS], row[_IR]) / self.intra_bps, max(row[_ES], row[_ER]) / self.inter_bps)
+        q, kv, o, compute = row[_Q], row[_KV], row[_O], row[_C]
+        total = q + kv + o
+        u = ((q + o) / self.num_chunks + kv / self.kv_chunks) / total if total > 0 else 1.0 / self.num_chunks
+        return compute + comm - min(comm * (1.0 - u), compute)
+
+    def seconds(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds of workers with state ``rows`` [n, 8] (``plan.timing``)."""
+        intra = np.maximum(rows[:, _IS], rows[:, _IR])
+        inter = np.maximum(rows[:, _ES], rows[:, _ER])
+        q, kv, o = rows[:, _Q], rows[:, _KV], rows[:, _O]
+        total = q + kv + o
+        edge = (q + o) / self.num_chunks + kv / self.kv_chunks
+        u = np.where(total > 0, edge / np.where(total > 0, total, 1.0), 1.0 / self.num_chunks)
+        return self.model.worker_seconds(rows[:, _C], intra, inter, u)
+
+    # ----------------------------------------------------------------- deltas
+    def _edge(self, delta, src: int, dst: int, nbytes: float, kind: int) -> None:
+        if src == dst or nbytes == 0:
+            return
+        cls = 0 if self.node[src] == self.node[dst] else 2
+        s = delta.get(src)
+        if s is None:
+            s = delta[src] = [0.0] * 8
+        d = delta.get(dst)
+        if d is None:
+            d = delta[dst] = [0.0] * 8
+        s[cls] += nbytes
+        d[cls + 1] += nbytes
+        s[kind] += nbytes
+        d[kind] += nbytes
+
+    def _kv_rows(self, delta, doc: int, dst: int, old: int, new: int) -> None:
+        """K/V edges of ``dst``'s prefix of ``doc`` growing (or shrinking) from ``old`` to ``new`` rows."""
+        if old == new:
+            return
+        for holder, offset, count in self.holders[doc]:
+            rows = min(max(new - offset, 0), count) - min(max(old - offset, 0), count)
+            if rows:
+                self._edge(delta, holder, dst, rows * self.kv_bytes, _KV)
+
+    def _prefix(self, group: int, w: int) -> int:
+        ends = self.ends.get((group, w))
+        return max(ends) if ends else 0
+
+    def _prefix_without(self, group: int, w: int, end: int) -> int:
+        ends = self.ends[(group, w)]
+        if ends[end] > 1 or end < max(ends):
+            return max(ends)
+        return max((e for e in ends if e != end), default=0)
+
+    def _delta(self, t: int, src, dst: int) -> Dict[int, np.ndarray]:
+        """Per-worker state change of moving tile t from ``src`` (None: not placed yet) to ``dst``."""
+        delta: Dict[int, list] = {}
+        home, qb = self.home[t], self.q_bytes[t]
+        delta.setdefault(dst, [0.0] * 8)[_C] += self.compute[t]
+        self._edge(delta, home, dst, qb, _Q)
+        self._edge(delta, dst, home, qb, _O)
+        if src is not None:
+            delta.setdefault(src, [0.0] * 8)[_C] -= self.compute[t]
+            self._edge(delta, home, src, -qb, _Q)
+            self._edge(delta, src, home, -qb, _O)
+        for group, end in self.refs[t]:
+            doc = group // self.G
+            if src is not None:
+                self._kv_rows(delta, doc, src, self._prefix(group, src), self._prefix_without(group, src, end))
+            old = self._prefix(group, dst)
+            self._kv_rows(delta, doc, dst, old, max(old, end))
+        return delta
+
+    def _apply(self, delta, t: int, src, dst: int) -> None:
+        for w, row in delta.items():
+            self.state[w] += row
+        self._reselect(t, src, dst)
+
+    def _reselect(self, t: int, src, dst: int) -> None:
+        """Move tile t's prefix selections (``ends``, ``fetchers``) from ``src`` to ``dst``."""
+        for group, end in self.refs[t]:
+            if src is not None:
+                ends = self.ends[(group, src)]
+                ends[end] -= 1
+                if not ends[end]:
+                    del ends[end]
+                if not ends:
+                    self.fetchers[group].discard(src)
+            self.ends[(group, dst)][end] = self.ends[(group, dst)].get(end, 0) + 1
+            self.fetchers[group].add(dst)
+        self.assignment[t] = dst
+
+    def move(self, t: int, dst: int) -> None:
+        src = self.assignment[t]
+        self._apply(self._delta(t, src, dst), t, src, dst)
+
+
+def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray:
+    """float64 [W]: seconds of every worker under ``model`` for ``assignment`` (compute + exposed comm)."""
+    pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
+    return pool.seconds(pool.state)
+
+
+def _largest(items, key, limit: int) -> List[int]:
+    return sorted(items, key=key, reverse=True)[:limit]
+
+
+def _candidate_tiles(pool: _PoolTraffic, star: int, by_worker, by_home, by_doc) -> List[int]:
+    """Tiles whose traffic or compute touches worker ``star`` (module docstring), a few of each kind."""
+    hosted = _largest(by_worker[star], lambda t: pool.compute[t] + pool.q_bytes[t] * 1e-15, _TILES_PER_KIND)
+    homed = _largest([t for t in by_home[star] if pool.assignment[t] != star], lambda t: pool.q_bytes[t],
+                     _TILES_PER_KIND)
+    fetching = {}
+    for doc in by_doc[star]:
+        for t in by_doc[("tiles", doc)]:
+            if pool.assignment[t] != star:
+                fetching[t] = max(fetching.get(t, 0), max(e for g, e in pool.refs[t] if g // pool.G == doc))
+    fetch = _largest(fetching, lambda t: fetching[t], _TILES_PER_KIND)
+    return list(dict.fromkeys(hosted + homed + fetch))
+
+
+def _destinations(pool: _PoolTraffic, t: int, star: int, times: np.ndarray, light: List[int]) -> List[int]:
+    """Where tile t may go: its Q-home, w*, the lightest workers (``light``: ascending time), the lightest
+    of w*'s node and of t's home node, and the lightest that already fetched enough of t's longest group."""
+    lightest = light[:_LIGHTEST]
+    near = [w for w in light if pool.node[w] == pool.node[star]][:_LIGHTEST]
+    home_near = [w for w in light if pool.node[w] == pool.node[pool.home[t]]][:_LIGHTEST]
+    group, end = max(pool.refs[t], key=lambda ge: ge[1]) if pool.refs[t] else (None, 0)
+    have = [w for w in pool.fetchers.get(group, ()) if pool._prefix(group, w) >= end] if group is not None else []
+    have = sorted(have, key=lambda w: times[w])[:_LIGHTEST]
+    out = dict.fromkeys([pool.home[t], star] + lightest + near + home_near + have)
+    out.pop(pool.assignment[t], None)
+    return list(out)
+
+
+def _index(pool: _PoolTraffic):
+    """Tiles by destination, by Q-home, and by document; documents by the workers holding their rows."""
+    by_worker, by_home, by_doc = defaultdict(set), defaultdict(list), defaultdict(list)
+    for t, (w, h) in enumerate(zip(pool.assignment, pool.home)):
+        by_worker[w].add(t)
+        by_home[h].append(t)
+        for group, _ in pool.refs[t]:
+            by_doc[("tiles", group // pool.G)].append(t)
+    for doc, runs in enumerate(pool.holders):
+        for holder, _, _ in runs:
+            by_doc[holder].append(doc)
+    return by_worker, by_home, by_doc
+
+
+def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
+    """(touched workers, their seconds) after ``moves`` [(tile, destination)]; the pool is left unchanged
+    (only the prefix selections move while a multi-tile set is priced, and they move back)."""
+    total: Dict[int, list] = {}
+    done = []
+    for i, (t, dst) in enumerate(moves):
+        src = pool.assignment[t]
+        for w, row in pool._delta(t, src, dst).items():
+            acc = total.get(w)
+            if acc is None:
+                total[w] = row
+            else:
+                for k in range(8):
+                    acc[k] += row[k]
+        if i + 1 < len(moves):  # later moves of the set see this one's prefix selections
+            pool._reselect(t, src, dst)
+            done.append((t, src, dst))
+    for t, src, dst in reversed(done):
+        pool._reselect(t, dst, src)
+    workers = list(total)
+    state = pool.state
+    return workers, [pool.seconds_of([a + b for a, b in zip(state[w].tolist(), total[w])]) for w in workers]
+
+
+def _extended_sets(pool: _PoolTraffic, t: int, dst: int, by_worker) -> List[tuple]:
+    """Moving t to dst together with the tiles of its source that share its longest group (one fetch less),
+    and as swaps with the tiles of dst closest to t in compute (keeps the FLOPs balance)."""
+    src = pool.assignment[t]
+    out = []
+    if pool.refs[t]:
+        group = max(pool.refs[t], key=lambda ge: ge[1])[0]
+        mates = [s for s in by_worker[src] if s != t and any(g == group for g, _ in pool.refs[s])]
+        if mates:
+            out.append(tuple((s, dst) for s in [t] + sorted(mates)))
+    there = sorted(by_worker[dst], key=lambda s: (abs(pool.compute[s] - pool.compute[t]), s))[:_SWAPS]
+    return out + [((t, dst), (s, src)) for s in there]
+
+
+def _score(pool: _PoolTraffic, moves, star: int, times: np.ndarray, order: List[int]):
+    """(new max over workers, new time of star, moves) after the move set."""
+    workers, new = _trial(pool, moves)
+    rest = next((times[w] for w in order if w not in workers), 0.0)
+    star_time = new[workers.index(star)] if star in workers else float(times[star])
+    return max(max(new), float(rest)), star_time, moves
+
+
+def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
+    """(new max, new time of star, moves) of the best candidate move set, or None. Single moves are scored
+    first; the ``_EXTEND`` best of them are retried as group moves and swaps."""
+    by_worker, by_home, by_doc = index
+    order = np.argsort(-times, kind="stable").tolist()
+    light = order[::-1]
+    singles = [_score(pool, ((t, dst),), star, times, order)
+               for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc)
+               for dst in _destinations(pool, t, star, times, light)]
+    if not singles:
+        return None
+    singles.sort(key=lambda k: (k[0], k[1], k[2]))
+    extended = [_score(pool, moves, star, times, order) for _, _, ((t, dst),) in singles[:_EXTEND]
+                for moves in _extended_sets(pool, t, dst, by_worker)]
+    return min(singles[:1] + extended, key=lambda k: (k[0], k[1], k[2]))
+
+
+def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel) -> np.ndarray:
+    """Moves after Algorithm 2 that lower (max worker time, time of the slowest worker) under ``model``;
+    the max never rises, so the result is never slower than ``assignment`` under the model."""
+    pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
+    index = _index(pool)
+    for _ in range(MAX_MOVES_PER_WORKER * tiles.num_workers):
+        times = pool.seconds(pool.state)
+        star = int(np.argmax(times))
+        cur = float(times[star])
+        best = _best_move(pool, star, times, index)
+        if best is None or not (best[0] < cur * (1 - _EPS) or (best[0] <= cur and best[1] < cur * (1 - 1e-9))):
+            break
+        for t, dst in best[2]:
+            index[0][pool.assignment[t]].discard(t)
+            index[0][dst].add(t)
+            pool.move(t, dst)
+    return np.asarray(pool.assignment, dtype=np.int64)

@@ -1,0 +1,93 @@
+"""Time-aware tile placement (plan.timeaware): priced like the exchange plan, never slower than Algorithm 2."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from libra_megatron.config import LibraConfig, TilePlacement
+from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.packing import pack_documents
+from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.pool import plan_pool
+from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.timeaware import worker_times
+from libra_megatron.plan.timing import StepTimeModel
+from libra_megatron.plan.traces import find_trace, load_trace
+from libra_megatron.plan.traffic import plan_traffic
+
+from .test_exchange import SETTINGS, pools
+
+# slow links make communication matter at these tiny sizes (bytes ~ KB, pair-heads ~ 1e4)
+SLOW = dict(attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=2e-4, gpus_per_node=2)
+
+
+def _plan_seconds(tiles, assignment, model):
+    """Independent pricing: the exchange plan's own traffic, then plan.timing's formula."""
+    traffic = plan_traffic(build_exchange_plan(tiles, np.asarray(assignment)))
+    intra, inter = traffic.link_bytes(model.nodes(tiles.num_workers))
+    compute = model.compute_seconds(np.bincount(assignment, tiles.tile_flops(), minlength=tiles.num_workers))
+    return model.worker_seconds(compute, intra, inter, traffic.unhidable_share())
+
+
+@given(pools())
+@settings(**SETTINGS)
+def test_incremental_times_equal_the_exchange_plan_priced_times(pool):
+    _, _, heads, tiles, assign, _ = pool
+    model = StepTimeModel(heads.head_dim, **SLOW)
+    assert np.allclose(worker_times(tiles, assign, model), _plan_seconds(tiles, assign, model), rtol=1e-9, atol=0)
+
+
+@given(pools())
+@settings(**SETTINGS)
+def test_time_placement_is_never_slower_than_alg2_under_the_model(pool):
+    _, _, heads, tiles, _, _ = pool
+    model = StepTimeModel(heads.head_dim, first_gpu=1, **SLOW)
+    alg2 = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+    timed = place_tiles(tiles, 0.03, TilePlacement.TIME, timing=model)
+    before = _plan_seconds(tiles, alg2.assignment, model).max()
+    after = _plan_seconds(tiles, timed.assignment, model).max()
+    assert after <= before * (1 + 1e-9)
+
+
+@pytest.fixture(scope="module")
+def wiki_pool():
+    """4 packed 8K sequences of the real Wikipedia trace, each with a 3.4K-5.2K-token document."""
+    docs = load_trace(find_trace("wikipedia-flexsp.txt"))[:20000]
+    seqs = pack_documents(docs, 8192, "megatron", 1234)
+    pick = [i for i in range(len(seqs)) if 3000 < max(seqs[i]) < 8000][:4]
+    return build_tiles([seqs[i] for i in pick], TokenLayout("zigzag", 8192, 4), HeadLayout(32, 4, 16, 2, 4),
+                       512, tiling="adaptive", tau=0.03, kv_fetch="prefix")
+
+
+def test_time_placement_trades_flops_balance_for_exposed_comm_on_a_real_trace(wiki_pool):
+    # links scaled with the tiny head dim so the exchange dominates as on the wikipedia 256K runs
+    model = StepTimeModel(16, attn_tflops=0.1, intra_node_gbps=0.3, inter_node_gbps=0.05, gpus_per_node=4)
+    alg2 = place_tiles(wiki_pool, 0.03, TilePlacement.ALG2)
+    timed = place_tiles(wiki_pool, 0.03, TilePlacement.TIME, timing=model)
+    before = _plan_seconds(wiki_pool, alg2.assignment, model)
+    after = _plan_seconds(wiki_pool, timed.assignment, model)
+    assert after.max() < 0.9 * before.max()  # the slowest worker gets at least 10% faster ...
+    assert timed.max_over_mean > alg2.max_over_mean + 0.05  # ... by giving up FLOPs balance
+
+
+def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):
+    with pytest.raises(ValueError, match="only read by tile placement 'time', not 'alg2'"):
+        place_tiles(wiki_pool, 0.03, TilePlacement.ALG2, timing=StepTimeModel(16))
+    with pytest.raises(ValueError, match="StepTimeModel.inter_node_gbps must be a finite number > 0, got 0"):
+        StepTimeModel(16, inter_node_gbps=0)
+
+
+def test_config_time_placement_reaches_plan_pool_and_its_plan_validates():
+    config = LibraConfig(pool_size=2, block_size=512, head_split=2, tile_placement="time")
+    assert config.tile_placement is TilePlacement.TIME
+    docs = load_trace(find_trace("wikipedia-flexsp.txt"))[:3000]
+    seqs = pack_documents(docs, 4096, "megatron", 3)[:2]
+    layout, heads = TokenLayout("zigzag", 4096, 2), HeadLayout(32, 4, 16, 2, 4)
+    planned = plan_pool(seqs, config, layout, heads, validate=True)
+    tiles = planned.tiles
+    expected = place_tiles(tiles, config.tau, TilePlacement.TIME)
+    assert np.array_equal(planned.placement.assignment, expected.assignment)
+    with pytest.raises(ValueError, match="tile_placement"):
+        LibraConfig(tile_placement="tim")
