@@ -272,13 +272,12 @@ class LibraHooks:
         pool_segments, position = _pool_metadata(sample)
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
-        batch = self._assemble(sample, pool_segments, position, cp_size, cp_rank)
-        if is_first_or_last_pipeline_stage(vp_stage):
-            return batch
-        return None, None, None, None, None, batch[-1]
+        return self._assemble(sample, pool_segments, position, cp_size, cp_rank,
+                              with_tensors=is_first_or_last_pipeline_stage(vp_stage))
 
     def _assemble(self, sample: dict, pool_segments: List[np.ndarray], position: int, cp_size: int,
-                  cp_rank: int) -> tuple:
+                  cp_rank: int, with_tensors: bool = True) -> tuple:
+        """The six values; without ``with_tensors`` (a middle stage) only the carrier goes to the device."""
         from .batch import LibraPackedSeqParams, build_libra_batch
 
         config = self._require_config()
@@ -287,6 +286,8 @@ class LibraHooks:
         packed = _packed_seq_params(LibraPackedSeqParams, self.qkv_format, batch, plan, pool_segments, position)
         packed.libra_kernel_backend = config.kernel_backend.value
         packed.libra_save_mode = None if save_mode is None else save_mode.value
+        if not with_tensors:
+            return None, None, None, None, None, packed
         # RoPE ignores position_ids in megatron-core; they are returned consistent with the carrier anyway.
         positions = batch["position_ids"] if self.qkv_format == "thd" else batch["local_to_global"][None]
         device = _device()
@@ -332,7 +333,7 @@ def _rank_order(args: argparse.Namespace) -> str:
 
 def _size_table_cache(args: argparse.Namespace) -> None:
     """Keep the device tables of every microbatch a pipeline holds in flight: up to PP microbatches at the
-    first stage under 1F1B, about twice that with interleaved stages (a chunk's microbatches share one
+    first stage under 1F1B, about twice that with interleaved stages (a microbatch's chunks share one
     RankPlan); at most the GA count of a step. A miss only re-uploads tables, so this is a bound, not a rule."""
     from ..runtime import set_table_cache_size
 
