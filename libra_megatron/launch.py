@@ -10,18 +10,22 @@ What it does, in order, all before ``torch.distributed`` is initialised:
    relative paths resolve against the working directory, as with ``pretrain_gpt.py`` itself;
 2. finds Megatron-LM: ``--megatron-lm-path``, else ``libra_megatron.megatron_lm.get_megatron_lm()``
    (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone);
-3. checks that CUDA is available (the CPU test harness, ``scripts/cpu_pretrain.sh``, emulates it);
+3. checks that CUDA is available (the CPU test harness, ``scripts/cpu_pretrain.sh``, emulates it); with
+   ``--check-only`` and no GPU visible it goes on and says that CUDA was not checked;
 4. imports Megatron-LM's training package (a missing Python package is named, with its pip command);
 5. parses the command line with Megatron-LM's own ``parse_args`` (with the ``--libra-*`` flags) and runs
    every Libra start-up check on what Megatron will use, defaults included
-   (``libra_megatron.megatron.hooks.validate_run``);
+   (``libra_megatron.megatron.hooks.validate_run``), then what Megatron-LM would reject later: its own
+   ``validate_args``, the full-size ``TransformerConfig``, the attention settings ``LibraCoreAttention`` does not
+   implement and the ``--spec`` object (``libra_megatron.megatron.model_checks.check_model``; without a GPU,
+   ``validate_args``' device queries are answered as ``--check-device-capability``);
 6. verifies and installs every patch point (``libra_megatron.patches.install_all``) with a fresh
    ``LibraHooks`` and runs the program (default ``pretrain_gpt.py``) as ``__main__`` with
    ``sys.argv = [program, <remaining flags>]``.
 
 ``--check-only`` stops after step 6 (the patches are verified, then undone): the torchrun scripts run it once,
 with ``WORLD_SIZE`` set, before starting the ranks, so a bad command line is one line, not one per rank
-plus torchrun's report.
+plus torchrun's report. It needs no GPU: a login node can check a 512-GPU config before submitting it.
 
 Every user error of steps 1-5 is one line, ``libra_megatron.launch: error: ...``, exit status 2
 (``libra_megatron.cli.run_cli``; ``--debug`` or ``LIBRA_DEBUG=1`` shows the traceback). ``--help`` prints
@@ -33,18 +37,20 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import runpy
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .cli import add_debug_argument, run_cli
 from .megatron_lm import ENV_MEGATRON_LM_PATH, get_megatron_lm, missing_package_error
 
 __all__ = ["LaunchPlan", "parse_launch_args", "expand_args_files", "resolve_megatron_lm", "import_patches",
-           "import_megatron_training", "check_cuda", "install_hooks", "run_program", "main", "TOOL"]
+           "import_megatron_training", "check_cuda",
+           "cuda_visible", "parse_device_capability", "check_summary", "install_hooks", "run_program", "main", "TOOL"]
 
 TOOL = "libra_megatron.launch"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +84,12 @@ def _launcher_parser() -> argparse.ArgumentParser:
                              "Relative --megatron-args-file/--libra-config paths inside it resolve against its "
                              "folder")
     parser.add_argument("--check-only", action="store_true",
-                        help="run every start-up check (Megatron-LM, CUDA, flags, patch targets) and exit; the "
-                             "scripts do this once before torchrun (set WORLD_SIZE for the DP-dependent checks)")
+                        help="run every start-up check (Megatron-LM, CUDA, flags, validate_args, the full-size "
+                             "TransformerConfig, --spec, patch targets) and exit; the scripts do this once before "
+                             "torchrun (set WORLD_SIZE for the DP-dependent checks). Works without a GPU")
+    parser.add_argument("--check-device-capability", default="9.0", metavar="MAJOR.MINOR",
+                        help="with --check-only and no GPU visible: the compute capability validate_args' device "
+                             "queries are answered with (default 9.0, Hopper; 10.0 for Blackwell)")
     add_debug_argument(parser)
     return parser
 
@@ -217,15 +227,28 @@ def import_patches() -> Any:
     return module
 
 
-def check_cuda() -> None:
-    """Megatron-LM's pretrain() needs CUDA; say so before any distributed start-up."""
+def cuda_visible() -> bool:
     import torch
 
-    if not torch.cuda.is_available():
+    return torch.cuda.is_available()
+
+
+def check_cuda() -> None:
+    """Megatron-LM's pretrain() needs CUDA; say so before any distributed start-up."""
+    if not cuda_visible():
         raise ValueError(
             "no CUDA device is visible (torch.cuda.is_available() is False): Megatron-LM's pretrain() needs "
-            "GPUs. On a CPU machine, run the test harness: bash scripts/cpu_pretrain.sh <the same flags>"
+            "GPUs. On a CPU machine, run the test harness: bash scripts/cpu_pretrain.sh <the same flags>; to "
+            "check a command line without a GPU, add --check-only"
         )
+
+
+def parse_device_capability(text: str) -> Tuple[int, int]:
+    """``"9.0"`` -> (9, 0); ValueError naming the flag otherwise."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", text.strip())
+    if match is None:
+        raise ValueError(f"--check-device-capability {text}: give MAJOR.MINOR, e.g. 9.0 (H100) or 10.0 (B200)")
+    return int(match.group(1)), int(match.group(2))
 
 
 def install_hooks(megatron_lm_path: Path) -> Any:
@@ -263,17 +286,24 @@ def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], No
         _print_help(argv)
         return 0
     plan = parse_launch_args(argv)
-    check_cuda()
+    capability = None  # None: validate_args asks the GPU
+    if not known.check_only:
+        check_cuda()
+    elif not cuda_visible():
+        capability = parse_device_capability(known.check_device_capability)
     import_megatron_training(plan.megatron_lm_path)
     from .megatron.args import parse_megatron_args
     from .megatron.hooks import validate_run
+    from .megatron.model_checks import check_model
 
-    validate_run(parse_megatron_args(plan.program, plan.megatron_argv))
+    args = parse_megatron_args(plan.program, plan.megatron_argv)
+    validate_run(args)
+    model_config = check_model(args, capability)
     patcher = install_hooks(plan.megatron_lm_path)
     if known.check_only:
         patcher.undo()
-        print(f"{TOOL}: start-up checks passed (Megatron-LM {plan.megatron_lm_path}, world size "
-              f"{os.environ.get('WORLD_SIZE', '1')})", file=sys.stderr, flush=True)
+        print(f"{TOOL}: start-up checks passed ({check_summary(args, model_config, capability)}; Megatron-LM "
+              f"{plan.megatron_lm_path})", file=sys.stderr, flush=True)
         return 0
     if on_megatron_ready is not None:
         on_megatron_ready(plan)
@@ -282,6 +312,19 @@ def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], No
               f"({plan.megatron_lm_path}); running {plan.program.name}", file=sys.stderr, flush=True)
     run_program(plan)
     return 0
+
+
+def check_summary(args: Any, model_config: Any, capability: Optional[Tuple[int, int]]) -> str:
+    """What --check-only checked, in one line: layout, model, spec, and whether CUDA was checked."""
+    layout = (f"world size {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}")
+    experts = f", {model_config.num_moe_experts} experts" if model_config.num_moe_experts else ""
+    model = (f"full-size TransformerConfig: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+             f"{model_config.num_attention_heads} heads{experts}, recompute {model_config.recompute_granularity}")
+    cuda = ("CUDA checked" if capability is None else
+            f"CUDA not checked (no GPU visible; validate_args' device queries answered as compute capability "
+            f"{capability[0]}.{capability[1]}, --check-device-capability)")
+    return f"{layout}; {model}; --spec {' '.join(args.spec)}; {cuda}"
 
 
 def run_program(plan: LaunchPlan) -> None:

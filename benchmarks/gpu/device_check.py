@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): seven independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): eight independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -17,6 +17,11 @@ section runs. Sections:
   memory       peak and retained memory of one layer (P=1, real 256K sequence) per save mode vs plan.memory
   tables       the heaviest rank's run tables of a real 1M pool (shipped knobs) expanded on the device under
                set_sync_debug_mode("error"): rows equal the host expansion; upload + expansion time
+  exchange     a real multi-worker pool: P worker processes on gloo (one GPU each when P GPUs are visible,
+               else every worker on the one GPU; gloo moves CUDA tensors) run libra_attn_func fwd+bwd on a skewed pool whose
+               tiles Alg. 2 moves; errors against the exact backend in fp64, at each kernel call the exchanges
+               in flight and those already placed that still hold their receive buffer (must be 0), and
+               the wall time of the pipelined call next to its hosted kernels alone (overlap)
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -402,9 +407,107 @@ def section_tables(ctx: Ctx) -> dict:
             "layout": f"L={L} P={P} CP={cp} B={sh['tables_block']} H={H} M={M}"}
 
 
+# ============================================================================ 8. multi-worker exchange
+def _exchange_pool(ctx: Ctx, num_workers: int):
+    """(segments, heads, exchange plan) of a skewed pool: sequence 0 is one long document, the others short
+    ones, so Alg. 2 moves tiles off worker 0 and every chunk exchanges Q, K|V and O."""
+    from libra_megatron.plan.placement import place_tiles
+
+    sh = ctx.shape
+    L = sh["memory_len"] // 4 if not ctx.dry else sh["seq_len"]
+    segs = [[L]] + [[L // 8] * 8 for _ in range(num_workers - 1)]
+    split, chunks = (2, 4) if sh["hq"] >= 8 else (1, 2)
+    heads = HeadLayout(sh["hq"], sh["hkv"], sh["head_dim"], split, chunks, elem_bytes=2)
+    tiles = build_tiles(segs, TokenLayout("contiguous", L, 1), heads, sh["block"] // 4)
+    return segs, heads, build_exchange_plan(tiles, place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment)
+
+
+def _live_receive_buffers(stats):
+    """Instrument PendingExchange and stats.timed_kernel: at each kernel call, (exchanges in flight, exchanges
+    already placed/copied that still hold their receive buffer -- 0 when an exchange releases it at once;
+    counted on the exchange objects: a completed gloo work may hold the tensor itself a moment longer)."""
+    import weakref
+
+    made, at_kernel = [], []
+    saved = (routes.PendingExchange.__init__, routes.PendingExchange.placed, routes.PendingExchange.into)
+
+    def init(self, work, received, index, send=None):
+        saved[0](self, work, received, index, send)
+        made.append(weakref.ref(self))
+
+    def consuming(original):
+        def call(self, *args):
+            self.consumed_by_check = True  # an attribute, not id(): ids of freed exchanges are reused
+            return original(self, *args)
+        return call
+
+    def timed(fn, *args, _timed=stats.timed_kernel):
+        alive = [x for x in (r() for r in made) if x is not None]
+        done = [getattr(x, "consumed_by_check", False) for x in alive]
+        at_kernel.append((done.count(False), sum(d and x.received is not None for d, x in zip(done, alive))))
+        return _timed(fn, *args)
+
+    routes.PendingExchange.__init__ = init
+    routes.PendingExchange.placed, routes.PendingExchange.into = consuming(saved[1]), consuming(saved[2])
+    stats.timed_kernel = timed
+
+    def restore():
+        routes.PendingExchange.__init__, routes.PendingExchange.placed, routes.PendingExchange.into = saved
+
+    return at_kernel, restore
+
+
+def _exchange_worker(rank, world_size, dry, reps):
+    from libra_megatron.runtime import ExchangeStats
+
+    ctx = Ctx(dry, "")
+    if ctx.cuda:
+        ctx.device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(ctx.device)
+    segs, heads, plan = _exchange_pool(ctx, world_size)
+    rp, L = plan.for_rank(rank), int(sum(segs[rank]))
+    g = torch.Generator().manual_seed(rank)
+    q64, k64, v64 = (torch.randn(L, h, heads.head_dim, generator=g, dtype=torch.float64).to(ctx.device)
+                     for h in (heads.num_q_heads, heads.num_kv_heads, heads.num_kv_heads))
+    do64 = torch.randn(L, heads.num_q_heads, heads.head_dim, generator=g, dtype=torch.float64).to(ctx.device)
+    batch = VarlenBatch.from_lengths(segs[rank], segs[rank], ctx.device)
+    ref = _fwd_bwd(lambda q, k, v: varlen_attn_func(q, k, v, batch, backend="torch"), q64, k64, v64, do64)
+    q, k, v, do = (x.to(ctx.dtype) for x in (q64, k64, v64, do64))
+    stats = ExchangeStats()
+    at_kernel, restore = _live_receive_buffers(stats)
+    try:
+        got = _fwd_bwd(lambda *a: libra_attn_func(*a, rp, dist.group.WORLD, stats=stats), q, k, v, do)
+    finally:
+        restore()
+    M = heads.num_chunks
+    libra_s = ctx.seconds(lambda: _fwd_bwd(lambda *a: libra_attn_func(*a, rp, dist.group.WORLD), q, k, v, do), reps)
+    kernels_s = _replay_worker(ctx, rp, heads, reps)[1]
+    return {"rel_err_out_dq_dk_dv": [_max_err(a, b) / max(float(b.abs().max()), 1e-30) for a, b in zip(got, ref)],
+            "exchanges_in_flight_at_kernel": [n for n, _ in at_kernel],
+            "placed_but_alive_at_kernel": [n for _, n in at_kernel], "kernel_calls": len(at_kernel) == 2 * M,
+            "bytes_sent": dict(stats.bytes_sent), "libra_fwd_bwd_s": libra_s, "hosted_kernels_fwd_bwd_s": kernels_s,
+            "device": str(ctx.device)}
+
+
+def section_exchange(ctx: Ctx) -> dict:
+    from libra_megatron.testing.dist import run_distributed
+
+    num_workers = 2 if ctx.dry else 4
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    mode = "one GPU per worker, gloo" if gpus >= num_workers else (
+        f"{num_workers} workers share {max(gpus, 1)} {'GPU' if ctx.cuda else 'CPU'}, gloo")
+    workers = run_distributed(_exchange_worker, num_workers, ctx.dry, ctx.shape["reps"], timeout=400)
+    released = all(w["kernel_calls"] and max(w["placed_but_alive_at_kernel"]) == 0 for w in workers)
+    errors_ok = all(max(w["rel_err_out_dq_dk_dv"]) <= 2e-2 for w in workers)
+    moved = sum(sum(w["bytes_sent"].values()) for w in workers)
+    return {"workers": num_workers, "mode": mode, "errors_ok": errors_ok, "receive_buffers_released": released,
+            "bytes_exchanged": moved, "per_worker": workers,
+            "libra_over_kernels": [w["libra_fwd_bwd_s"] / max(w["hosted_kernels_fwd_bwd_s"], 1e-12) for w in workers]}
+
+
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
             "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
-            "tables": section_tables}
+            "tables": section_tables, "exchange": section_exchange}
 
 
 def _summary(results: dict) -> str:

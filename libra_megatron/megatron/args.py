@@ -126,7 +126,8 @@ def _data_parallel_size(args: Any) -> int:
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     world = int(getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1")))
     if world % (tp * pp * cp):
-        raise ValueError(f"world size {world} must be divisible by TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp}")
+        raise ValueError(f"world size {world} must be divisible by TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} "
+                         f"(the world size is $WORLD_SIZE: set it to the job's GPU count for --check-only)")
     return world // (tp * pp * cp)
 
 

@@ -31,8 +31,10 @@ layers ``verify=False``: one small gloo all_gather per microbatch, none per laye
 Pools off. Without a plan (or with a one-worker plan) and CP = 1 the module is plain per-sample causal
 attention through the same varlen kernels. Sample boundaries come from host data: the carrier's
 ``libra_pool_segments[libra_position]``, else a CPU ``cu_seqlens_q``; a CUDA ``cu_seqlens_q`` without host
-segments (a foreign carrier) is read once per carrier and cached on it, never once per layer. No
-boundaries = the whole sequence is one causal sample. Dropout is not supported (varlen kernels).
+segments (a foreign carrier) is read once per carrier and cached on it, never once per layer. The varlen
+metadata built from them (numpy offsets, pinned copies to the device) is also built once per carrier and
+cached on it: every later layer reuses it. No boundaries = the whole sequence is one causal sample. Dropout is
+not supported (varlen kernels).
 """
 from __future__ import annotations
 
@@ -46,11 +48,13 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..config import KernelBackendName, SaveModeName
 
-__all__ = ["LibraCoreAttention", "local_causal_attention_thd", "host_sample_bounds"]
+__all__ = ["LibraCoreAttention", "local_causal_attention_thd", "local_varlen_batch", "carrier_varlen_batch",
+           "host_sample_bounds"]
 
 _SUPPORTED_MASKS = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _VERIFIED_ATTR = "_libra_verified_plan"  # the plan a carrier's first Libra layer verified
 _BOUNDS_ATTR = "_libra_host_bounds"  # host sample boundaries cached on a foreign carrier
+_LOCAL_BATCH_ATTR = "_libra_local_batch"  # ((tokens, device), VarlenBatch) of the pools-off path, per carrier
 
 
 def host_sample_bounds(packed_seq_params, num_tokens: int) -> Optional[tuple]:
@@ -78,19 +82,40 @@ def host_sample_bounds(packed_seq_params, num_tokens: int) -> Optional[tuple]:
     return bounds
 
 
+def local_varlen_batch(bounds: Optional[tuple], num_tokens: int, device):
+    """The ``VarlenBatch`` of the samples ``bounds`` (host offsets (0, ..., t), None: one sample of t tokens)."""
+    from ..runtime.kernels import VarlenBatch  # lazy: keeps module import light
+
+    bounds = (0, num_tokens) if bounds is None else bounds
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return VarlenBatch.from_lengths(lens, lens, device)
+
+
 def local_causal_attention_thd(q, k, v, bounds: Optional[tuple], softmax_scale: float,
-                               backend=KernelBackendName.AUTO) -> torch.Tensor:
+                               backend=KernelBackendName.AUTO, deterministic: bool = False,
+                               batch=None) -> torch.Tensor:
     """Block-diagonal causal attention over packed samples through the runtime's varlen kernels.
 
     q (t, hq, d), k/v (t, hkv, d) (GQA never expanded), bounds: host sample offsets (0, ..., t) or None
-    (one sample). Returns (t, hq, d) in q's dtype. Cost O(sum_j l_j^2); no host read of device data.
+    (one sample); ``batch``: their ``local_varlen_batch`` when the caller caches it. Returns (t, hq, d) in
+    q's dtype. Cost O(sum_j l_j^2); no host read of device data.
     """
-    from ..runtime.kernels import VarlenBatch, varlen_attn_func  # lazy: keeps module import light
+    from ..runtime.kernels import varlen_attn_func  # lazy: keeps module import light
 
-    bounds = (0, q.shape[0]) if bounds is None else bounds
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    batch = VarlenBatch.from_lengths(lens, lens, q.device)
-    return varlen_attn_func(q, k, v, batch, softmax_scale, backend)
+    batch = local_varlen_batch(bounds, q.shape[0], q.device) if batch is None else batch
+    return varlen_attn_func(q, k, v, batch, softmax_scale, backend, deterministic=deterministic)
+
+
+def carrier_varlen_batch(packed_seq_params, num_tokens: int, device):
+    """The pools-off varlen metadata of a carrier: built by its first layer, cached on it for every later one."""
+    key = (num_tokens, str(device))
+    cached = getattr(packed_seq_params, _LOCAL_BATCH_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    batch = local_varlen_batch(host_sample_bounds(packed_seq_params, num_tokens), num_tokens, device)
+    if packed_seq_params is not None:
+        setattr(packed_seq_params, _LOCAL_BATCH_ATTR, (key, batch))
+    return batch
 
 
 class LibraCoreAttention(MegatronModule):
@@ -126,6 +151,8 @@ class LibraCoreAttention(MegatronModule):
                              "travels on the carrier; pass arranged, refetch or None")
         self._pool_group = pool_group
         self._check_group = check_group
+        # --deterministic-mode reaches the kernels' backward (flash-attn's deterministic=, see runtime.kernels)
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
 
     # ------------------------------------------------------------------ process groups
     def set_pool_group(self, group) -> None:
@@ -223,10 +250,11 @@ class LibraCoreAttention(MegatronModule):
         if q.dim() == 4:  # (s, b, h, d), b > 1, no cu_seqlens: one causal sample per batch row
             s, b = q.shape[:2]
             flat = [x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3]) for x in (q, k, v)]
-            out = local_causal_attention_thd(*flat, tuple(range(0, b * s + 1, s)), self.softmax_scale, backend)
+            out = local_causal_attention_thd(*flat, tuple(range(0, b * s + 1, s)), self.softmax_scale, backend,
+                                             self.deterministic)
             return out.reshape(b, s, -1).transpose(0, 1)
-        bounds = host_sample_bounds(packed_seq_params, q.shape[0])
-        return local_causal_attention_thd(q, k, v, bounds, self.softmax_scale, backend)
+        batch = carrier_varlen_batch(packed_seq_params, q.shape[0], q.device)
+        return local_causal_attention_thd(q, k, v, None, self.softmax_scale, backend, self.deterministic, batch=batch)
 
     def _forward_plan(self, q, k, v, plan, packed_seq_params, backend, mode):
         """Execute this rank's ``RankPlan`` with the runtime operator (Q dispatch, KV fetch, O return)."""
@@ -238,6 +266,7 @@ class LibraCoreAttention(MegatronModule):
 
         verify = getattr(packed_seq_params, _VERIFIED_ATTR, None) is not plan  # a fresh carrier or a new plan
         out = libra_attn_func(q, k, v, plan, self.pool_group(), softmax_scale=self.softmax_scale, backend=backend,
-                              qkv_format="thd", save_mode=mode.value, verify=verify, check_group=self.check_group())
+                              qkv_format="thd", save_mode=mode.value, verify=verify, check_group=self.check_group(),
+                              deterministic=self.deterministic)
         setattr(packed_seq_params, _VERIFIED_ATTR, plan)
         return out

@@ -190,9 +190,11 @@ class LibraHooks:
 
         from .args import log_and_save_libra_config
         from .groups import initialize_pool_groups
+        from .model_checks import check_model
 
         args = get_args()
         config = validate_run(args)
+        check_model(args, validate=False)  # Megatron validated these args itself; the launcher checked before
         log_and_save_libra_config(config, args, _run_dir(args))
         self.qkv_format = carrier_format(args)
         logger.info("Libra batches use the %s carrier (%s)", self.qkv_format,

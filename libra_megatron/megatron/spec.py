@@ -45,6 +45,7 @@ __all__ = [
     "libra_gpt_layer_spec",
     "libra_core_attention_builder",
     "count_core_attention",
+    "spec_uses_libra_attention",
     "libra_gpt_spec_from_args",
     "libra_gpt_spec",
     "libra_te_spec",
@@ -212,6 +213,16 @@ class _LayerFromRunArgs(TransformerLayer):
 
 class _TELayerFromRunArgs(_LayerFromRunArgs):
     backend = "transformer_engine"
+
+
+def spec_uses_libra_attention(spec: Any) -> bool:
+    """True when ``spec`` builds its layers with LibraCoreAttention: one of the specs built from the run's flags
+    (``libra_gpt_spec``, ``libra_te_spec``: ``swap_core_attention`` puts it into every layer or raises), or a
+    spec tree with LibraCoreAttention in some core_attention slot (start-up check of ``--spec``)."""
+    module = getattr(spec, "module", None)
+    if isinstance(module, type) and issubclass(module, _LayerFromRunArgs):
+        return True
+    return count_core_attention(spec) > 0
 
 
 # Megatron-LM's import_module reads vars(module)[NAME], so these are real module attributes; what they build

@@ -14,7 +14,8 @@ arranged buffers, one varlen causal kernel call over all hosted tiles, return O 
 Pipeliner: chunk m+1 is dispatched and chunk m-1 returned (async) while chunk m computes.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
-to the same local K/V rows). K/V travel once per step (``HeadLayout.kv_send_chunks``): a chunk that reads
+to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
+their buffers start uninitialised (``_uninitialized_like``) and are filled by copies (no memset, no atomics). K/V travel once per step (``HeadLayout.kv_send_chunks``): a chunk that reads
 the kv piece of the chunk before it reuses that chunk's arranged K|V, and dK|dV of a piece is summed at
 the destination over its chunks and returned once, after the last (``kv_return_chunks``).
 
@@ -78,11 +79,17 @@ class _Ctx:
     backend: object
     stats: Optional[ExchangeStats]
     acc_dtype: torch.dtype  # dK|dV sums (fp32 for fp16/bf16 inputs)
+    deterministic: bool = False  # the kernels' deterministic backward (Megatron-LM's --deterministic-mode)
 
     def kernel(self, fn, *args):
         if self.stats is None:
             return fn(*args)
         return self.stats.timed_kernel(fn, *args)
+
+
+def _uninitialized_like(x: torch.Tensor) -> torch.Tensor:
+    """O / dQ buffer: every row is written exactly once by the inverse Q route (tests fill it with NaN)."""
+    return torch.empty_like(x)
 
 
 def _views(q, k, v, heads):
@@ -128,7 +135,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     """Pipelined forward. Returns (out like q, per-chunk saved tensors [(q_arr, kv_arr, o_arr, lse)])."""
     heads = cx.plan.heads
     qv, kv_, vv = _views(q, k, v, heads)
-    out_view = torch.zeros_like(qv)
+    out_view = _uninitialized_like(qv)
     saved: List[tuple] = []
     sends = heads.kv_send_chunks()  # K/V once per step: a chunk reading the previous chunk's kv piece reuses it
     incoming = (_dispatch_q(cx, qv, 0, "q"), _dispatch_kv(cx, kv_, vv, 0, "kv"))
@@ -175,7 +182,8 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
         q_arr, kv_arr, o_arr, lse = saved_m
     do_arr = pending["do"].placed()
     k_pk, v_pk = _packed_kv(cx, kv_arr)
-    dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale)
+    dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
+                                     cx.deterministic)
     dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype) if dkv_arr is None else dkv_arr
     dkv_arr.index_add_(0, cx.tables.k_gather, torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype))
     return dq_arr, kv_arr, dkv_arr
@@ -186,7 +194,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
     ``local`` = (q, k, v, out) chunk views in REFETCH mode, else None."""
     heads = cx.plan.heads
     dout_view = dout.reshape(-1, heads.q_piece, heads.head_dim)
-    dq_view = torch.zeros_like(dout_view)
+    dq_view = _uninitialized_like(dout_view)
     kp = heads.kv_piece
     dkv_local = dout.new_zeros((k_shape[0] * heads.kv_pieces_per_token, 2 * kp, heads.head_dim), dtype=cx.acc_dtype)
     incoming = _bwd_inputs(cx, 0, dout_view, saved, local)
@@ -253,7 +261,7 @@ class _LibraAttnFunction(torch.autograd.Function):
 def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group, *,
                     softmax_scale: Optional[float] = None, backend=KernelBackendName.AUTO, qkv_format: str = "thd",
                     save_mode=SaveMode.ARRANGED, stats: Optional[ExchangeStats] = None, verify="auto",
-                    check_group=None) -> torch.Tensor:
+                    check_group=None, deterministic: bool = False) -> torch.Tensor:
     """Causal attention over the packed sequences of a sequence pool, executed from ``plan``.
 
     Arguments:
@@ -271,6 +279,8 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
         verify: True | False | "auto" -- when the one-collective plan verification runs (``runtime.checks``);
             "auto" = the first call with a new call key. Must be the same decision on every rank.
         check_group: group the verification gathers over (a gloo twin of ``group`` avoids a device read).
+        deterministic: the kernels' deterministic backward (``KernelBackend.bwd``; Megatron-LM's
+            --deterministic-mode).
     Returns:
         out: same shape, dtype and device as q -- attention output for exactly this rank's local tokens.
     Raises:
@@ -284,14 +294,14 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
             raise ValueError(f"qkv_format='sbhd' needs (t, 1, h, d) with b=1, got q of shape {tuple(q.shape)}")
         out = libra_attn_func(q.squeeze(1), k.squeeze(1), v.squeeze(1), plan, group, softmax_scale=softmax_scale,
                               backend=backend, save_mode=save_mode, stats=stats, verify=verify,
-                              check_group=check_group)
+                              check_group=check_group, deterministic=deterministic)
         return out.unsqueeze(1)
     mode = _save_mode(save_mode)
     ensure_plan_verified(q, k, v, plan, group, save_mode=mode.value, verify=verify, check_group=check_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     cx = _Ctx(plan=plan, tables=device_tables(plan, rank_tables, q.device), group=group, scale=scale,
               backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]), stats=stats,
-              acc_dtype=_accumulation_dtype(q.dtype))
+              acc_dtype=_accumulation_dtype(q.dtype), deterministic=bool(deterministic))
     return _apply(q, k, v, cx, mode)
 
 

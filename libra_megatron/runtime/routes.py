@@ -10,8 +10,12 @@ Shape legend (one chunk m of the Pipeliner, §4.4):
 A route moves *units*; one unit is one row of the views above, so split sizes are row counts.
 
 Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
-so every row is written once); inverse routes accumulate (``index_add_``), casting the received rows to the target's dtype
-so a float32 target sums low-precision fragments in float32. Index tensors are int32 where the plan's
+so every row is written once). The inverse Q route (O, dQ) copies: every local Q row has
+exactly one source over the chunks (a plan invariant, ``plan.validate``), so its target starts uninitialised
+-- no memset, no atomics (``index_put_`` without accumulate, which takes the int32 rows). The inverse K|V route accumulates (``index_add_``: several destinations and chunks
+feed one local row), casting the received rows to the target's dtype so a float32 target sums low-precision
+fragments in float32. A ``PendingExchange`` drops its received rows as soon as they are placed or copied:
+the receive buffer of chunk m is freed before chunk m computes, not one chunk later. Index tensors are int32 where the plan's
 bounds allow (int64 otherwise). The planner hands over row *runs* (``plan.rank_tables``, O(runs) on the
 host); ``expand_runs`` turns them into index tensors on the device, once per plan at its first use on the
 training thread (a few device kernels of known output size: no host sync), and the results live in a
@@ -71,9 +75,10 @@ class RouteIndex:
 
     send_rows  int32 [n_send]  rows of the source buffer, grouped by destination rank
     recv_rows  int32 [n_recv]  rows of the target buffer the received rows land on (forward: a permutation
-               of the arranged rows, placed; inverse: local rows, accumulated)
+               of the arranged rows, placed; inverse: local rows, copied (Q) or accumulated (K|V))
     splits     send/recv rows per rank (Python ints) and rows sent to other ranks
-    accumulate inverse routes add (several destinations and chunks feed one local row)
+    accumulate the inverse K|V route adds (several destinations and chunks feed one local row); the inverse Q
+               route copies (each local row has one source); forward routes place
     """
 
     send_rows: torch.Tensor
@@ -144,7 +149,7 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
         chunks.append(ChunkRoutes(
             q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
             kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False),
-            q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=True),
+            q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=False),  # one source per row
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
     batch = VarlenBatch(cu_q=cu_q, cu_k=cu_k, max_q=max(tables.q_lens, default=0),
@@ -224,17 +229,27 @@ class PendingExchange:
             self._work, self._send = None, None
         return self.received
 
+    def _take(self) -> torch.Tensor:
+        """Wait and hand over the received rows: the exchange keeps no reference to its receive buffer after."""
+        received = self.wait()
+        if received is None:
+            raise RuntimeError("PendingExchange: the received rows were already placed")
+        self.received = None
+        return received
+
     def placed(self) -> torch.Tensor:
         """Wait, then return the arranged buffer of a forward route (every row written exactly once)."""
-        received = self.wait()
+        received = self._take()
         target = torch.empty_like(received)
         return target.index_put_((self.index.recv_rows,), received)
 
     def into(self, target: torch.Tensor) -> torch.Tensor:
-        """Wait, then add the received rows of an inverse route into ``target`` (in target's dtype)."""
-        received = self.wait()
-        target.index_add_(0, self.index.recv_rows, received.to(target.dtype))
-        return target
+        """Wait, then write the received rows of an inverse route into ``target`` (in target's dtype): added
+        (``accumulate``: K|V) or copied (Q: each row has one source, so ``target`` may start uninitialised)."""
+        received = self._take().to(target.dtype)
+        if self.index.accumulate:
+            return target.index_add_(0, self.index.recv_rows, received)
+        return target.index_put_((self.index.recv_rows,), received)  # a copy (index_copy_ takes int64 only)
 
 
 def start_exchange(send: torch.Tensor, index: RouteIndex, group, stats: Optional[ExchangeStats], kind: str,

@@ -45,13 +45,13 @@ CPU_SUBSTITUTIONS: Dict[str, Tuple[object, str]] = {
     "--moe-token-dispatcher-type": ("allgather", "the alltoall dispatcher creates a torch.cuda.Stream"),
     "--expert-model-parallel-size": (1, "the allgather dispatcher needs reduce-scatter over EP, which gloo lacks"),
     "--expert-tensor-parallel-size": (1, "(see --expert-model-parallel-size)"),
-    "--recompute-granularity": (None, "activation recompute forks the CUDA RNG state"),
+    "--recompute-granularity": (None, "activation recompute forks the CUDA RNG state (its TransformerConfig "
+                                      "rules are checked at full size, test_shipped_configs)"),
     "--recompute-method": (None, "(see --recompute-granularity)"),
     "--recompute-num-layers": (None, "(see --recompute-granularity)"),
-    "--moe-layer-recompute": (None, "(see --recompute-granularity)"),
     "--num-workers": (0, "no DataLoader worker processes inside the test's gloo ranks"),
 }
-VALUELESS = {"--moe-grouped-gemm", "--cross-entropy-loss-fusion", "--sequence-parallel", "--moe-layer-recompute"}
+VALUELESS = {"--moe-grouped-gemm", "--cross-entropy-loss-fusion", "--sequence-parallel"}
 # Megatron-LM flags only a test needs (data, no CUDA-only fusions); none of them is in any config.
 TEST_ONLY_FLAGS = ["--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-dropout-fusion",
                    "--use-cpu-initialization", "--train-iters", "4", "--seed", "1234"]
@@ -79,8 +79,9 @@ def _pairs(argv: List[str]) -> List[Tuple[str, List[str]]]:
     return out
 
 
-def scaled_config_argv(config_argv: List[str], moe: bool) -> Tuple[List[str], Dict[str, str]]:
-    """(CPU argv, {flag: what changed}) for a config's expanded argv; see the module docstring."""
+def scaled_config_argv(config_argv: List[str], moe: bool, scale: bool = True) -> Tuple[List[str], Dict[str, str]]:
+    """(CPU argv, {flag: what changed}) for a config's expanded argv; see the module docstring. ``scale=False``:
+    the CPU substitutions only, model sizes kept (the full-size TransformerConfig check of the substitutions)."""
     pairs = _pairs(config_argv)
     hidden = int(next(v[0] for f, v in pairs if f == "--hidden-size"))
     out, changed, seen = [], {}, set()
@@ -92,7 +93,7 @@ def scaled_config_argv(config_argv: List[str], moe: bool) -> Tuple[List[str], Di
             if value is not None:
                 out += [flag, str(value)]
             continue
-        scaled = [_scaled_value(flag, v, hidden) for v in values]
+        scaled = [_scaled_value(flag, v, hidden) for v in values] if scale else values
         if scaled != values:
             changed[flag] = f"{' '.join(values)} -> {' '.join(scaled)}"
         out += [flag] + scaled

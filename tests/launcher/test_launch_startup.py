@@ -6,6 +6,7 @@ run with. In subprocesses: the whole command line prints ``libra_megatron.launch
 exits 2 (no traceback), and ``--help`` works with and without Megatron-LM.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -51,13 +52,113 @@ BAD = [  # (case, world size, argv, message pattern)
 ]
 
 
-def _startup_checks(monkeypatch, world_size, argv):
+def _startup_checks(monkeypatch, world_size, argv, model=False, edit=None):
+    """What the launcher runs before any start-up: parse_args, validate_run and (``model``) check_model with
+    the device queries answered as sm90, as --check-only does without a GPU. ``edit(args)`` runs after parse."""
     import_megatron_training()
     from libra_megatron.megatron.args import parse_megatron_args
     from libra_megatron.megatron.hooks import validate_run
+    from libra_megatron.megatron.model_checks import check_model
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    return validate_run(parse_megatron_args(REPO / "pretrain_gpt.py", argv))
+    args = parse_megatron_args(REPO / "pretrain_gpt.py", argv)
+    if edit is not None:
+        edit(args)
+    config = validate_run(args)
+    return check_model(args, (9, 0)) if model else config
+
+
+# Every refused TransformerConfig attention setting (model_checks.ATTENTION_RULES), set through Megatron-LM's
+# real parse_args; a field without a Megatron flag is set on the parsed args, which is where
+# core_transformer_config_from_args reads it from.
+ATTENTION_CASES = {
+    "window_size": (["--window-size", "128,0"], None),
+    "softmax_type": (["--softmax-type", "off-by-one"], None),
+    "qk_clip": (["--qk-clip"], None),
+    "log_max_attention_logit": (["--log-max-attention-logit"], None),
+    "batch_invariant_mode": (["--batch-invariant-mode"], None),
+    "use_kitchen_attention": (["--use-kitchen-attention"], None),
+    "experimental_attention_variant": (["--experimental-attention-variant", "gated_delta_net",
+                                        "--linear-attention-freq", "2"], None),
+    "attention_backend": (["--attention-backend", "flash"], None),
+    "fp8_dot_product_attention": ([], lambda args: setattr(args, "fp8_dot_product_attention", True)),
+    "cp_comm_type": (["--cp-comm-type", "a2a"], None),
+}
+
+
+def test_every_refused_attention_setting_has_a_case():
+    from libra_megatron.megatron.model_checks import ATTENTION_RULES
+
+    assert sorted(rule.field for rule in ATTENTION_RULES) == sorted(ATTENTION_CASES)
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("field", sorted(ATTENTION_CASES))
+def test_attention_settings_libra_does_not_implement_are_one_line_naming_the_flag(monkeypatch, field):
+    import argparse
+
+    import_megatron_training()
+    from megatron.training.arguments import add_megatron_arguments
+
+    from libra_megatron.megatron.model_checks import ATTENTION_RULES
+
+    rule = next(r for r in ATTENTION_RULES if r.field == field)
+    extra, edit = ATTENTION_CASES[field]
+    with pytest.raises(ValueError, match=rf"^{re.escape(rule.flag)} ") as caught:
+        _startup_checks(monkeypatch, 2, GOOD + extra, model=True, edit=edit)
+    assert "\n" not in str(caught.value)
+    if rule.flag.startswith("--"):  # the flag the message names is Megatron-LM's own
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        assert rule.flag in {o for action in parser._actions for o in action.option_strings}
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("extra", [[], ["--apply-query-key-layer-scaling"], ["--attention-softmax-in-fp32"],
+                                   ["--deterministic-mode"], ["--attention-output-gate"]],
+                         ids=["defaults", "qk-layer-scaling", "softmax-in-fp32", "deterministic", "output-gate"])
+def test_accepted_attention_settings_build_the_transformer_config(monkeypatch, extra):
+    import torch
+
+    monkeypatch.setenv("NCCL_ALGO", "Ring")  # Megatron-LM's deterministic mode requires it
+    saved = torch.are_deterministic_algorithms_enabled()
+    try:
+        config = _startup_checks(monkeypatch, 2, GOOD + extra, model=True)
+    finally:
+        torch.use_deterministic_algorithms(saved)  # validate_args turns it on for --deterministic-mode
+    assert config.num_layers == 2 and config.deterministic_mode == ("--deterministic-mode" in extra)
+
+
+def _with_spec(module, name):
+    i = GOOD.index("--spec")
+    return GOOD[:i] + ["--spec", module, name] + GOOD[i + 3:]
+
+
+MODEL_BAD = [  # (case, argv, message pattern): refused by check_model, what Megatron-LM would reject later
+    ("spec-missing-function", _with_spec("libra_megatron.megatron.spec", "libra_nope_spec"),
+     r"^--spec libra_megatron.megatron.spec libra_nope_spec: libra_megatron.megatron.spec has no attribute "
+     r"'libra_nope_spec'$"),
+    ("spec-missing-module", _with_spec("libra_megatron.no_such_module", "libra_gpt_spec"),
+     r"^--spec libra_megatron.no_such_module libra_gpt_spec: module libra_megatron.no_such_module cannot be "
+     r"imported"),
+    ("spec-without-libra-attention", _with_spec("megatron.core.models.gpt.gpt_layer_specs",
+                                                "get_gpt_layer_local_spec"),
+     r"^--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec: the spec has no "
+     r"LibraCoreAttention"),
+    ("moe-layer-recompute-with-full-recompute",
+     GOOD + ["--num-experts", "4", "--moe-layer-recompute", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+     r"^Megatron-LM's TransformerConfig refused the flags: Do not set --moe-layer-recompute with full recompute "
+     r"granularity\.$"),
+    ("validate-args-assertion", GOOD + ["--fp16-lm-cross-entropy"],
+     r"^Megatron-LM's validate_args refused the flags: lm cross entropy in fp16 only support in fp16 mode\.$"),
+]
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("case, argv, pattern", MODEL_BAD, ids=[case[0] for case in MODEL_BAD])
+def test_what_megatron_would_reject_later_fails_at_start_up(monkeypatch, case, argv, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _startup_checks(monkeypatch, 2, argv, model=True)
 
 
 @needs_megatron_lm
@@ -115,8 +216,56 @@ def test_megatron_default_dropout_is_one_line_before_any_start_up(megatron_lm_pa
 def test_no_cuda_is_one_line_pointing_to_the_cpu_harness(megatron_lm_path, tmp_path):
     result = _launch(GOOD, {"MEGATRON_LM_PATH": megatron_lm_path}, cwd=tmp_path)
     line = _one_error_line(result)
-    assert "no CUDA device is visible" in line and "scripts/cpu_pretrain.sh" in line
+    assert "no CUDA device is visible" in line and "scripts/cpu_pretrain.sh" in line and "--check-only" in line
     assert result.stdout == ""
+
+
+@needs_megatron_lm
+def test_check_only_without_a_gpu_passes_and_says_cuda_was_not_checked(megatron_lm_path, tmp_path):
+    result = _launch(["--check-only", "--check-device-capability", "10.0"] + GOOD,
+                     {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and result.stdout == "", result.stderr + result.stdout
+    assert lines[0].startswith("libra_megatron.launch: start-up checks passed (world size 2 = TP 1 x PP 1 x CP 1 x "
+                               "DP 2; full-size TransformerConfig: 2 layers, hidden 64, 4 heads")
+    assert "CUDA not checked (no GPU visible; validate_args' device queries answered as compute capability 10.0" \
+        in lines[0]
+
+
+@needs_megatron_lm
+def test_check_only_without_a_gpu_refuses_a_bad_setting_in_one_line(megatron_lm_path, tmp_path):
+    line = _one_error_line(_launch(["--check-only"] + _with_spec("libra_megatron.megatron.spec", "libra_nope_spec"),
+                                   {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path))
+    assert line.endswith("libra_megatron.megatron.spec has no attribute 'libra_nope_spec'")
+
+
+@needs_megatron_lm
+def test_check_only_runs_every_check_before_any_distributed_start(megatron_lm_path, monkeypatch, capsys):
+    """In-process: torch.distributed must not be started by any check (init_process_group would raise)."""
+    import torch.distributed as dist
+
+    from libra_megatron import launch
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a start-up check started torch.distributed")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the launcher puts Megatron-LM first on it
+    monkeypatch.setenv("MEGATRON_LM_PATH", megatron_lm_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as done:
+        launch.main(["--check-only"] + GOOD + ["--window-size", "64,0"])
+    assert done.value.code == 2 and not dist.is_initialized()
+    assert capsys.readouterr().err.strip().endswith("drop --window-size (and --window-attn-skip-freq)")
+
+
+def test_device_capability_flag_must_be_major_dot_minor():
+    from libra_megatron.launch import parse_device_capability
+
+    assert parse_device_capability("8.6") == (8, 6)
+    with pytest.raises(ValueError, match=r"^--check-device-capability sm90: give MAJOR.MINOR"):
+        parse_device_capability("sm90")
 
 
 def test_a_missing_python_package_of_megatron_lm_is_named(tmp_path):

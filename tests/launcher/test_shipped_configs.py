@@ -68,6 +68,7 @@ def test_config_passes_megatron_and_libra_validation_at_its_smallest_job(config,
     from libra_megatron.launch import expand_args_files
     from libra_megatron.megatron.args import libra_config_from_args
     from libra_megatron.megatron.hooks import check_supported_layout
+    from libra_megatron.megatron.model_checks import check_model
 
     emulate_hopper_for_argument_validation(monkeypatch)
     monkeypatch.chdir(REPO)
@@ -90,10 +91,69 @@ def test_config_passes_megatron_and_libra_validation_at_its_smallest_job(config,
     cfg = libra_config_from_args(args)
     check_supported_layout(args, cfg)
     assert cfg == LibraConfig.from_yaml(str(REPO / args.libra_config))
+    # the full-size TransformerConfig from every flag of the config (none dropped), its attention settings and
+    # the --spec object: what --check-only and the run's start-up build (model_checks.check_model)
+    model = check_model(args, validate=False)
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads) == (
+        args.num_layers, args.hidden_size, args.num_attention_heads)
+    assert model.recompute_granularity == "full" and model.num_moe_experts == args.num_experts
     # the planner sees this TP rank's heads: the knobs must divide those too
     cfg.validate(num_attention_heads=args.num_attention_heads // tp, num_query_groups=args.num_query_groups // tp,
                  data_parallel_size=args.data_parallel_size, context_parallel_size=args.context_parallel_size,
                  seq_length=args.seq_length, global_batch_size=args.global_batch_size)
+
+
+@pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: p.stem)
+def test_check_only_passes_the_config_at_full_size_without_a_gpu(config, megatron_lm, monkeypatch, capsys):
+    """``--check-only`` in-process, exactly as a user on a login node runs it (no GPU in this process)."""
+    import torch
+    import torch.distributed as dist
+
+    from libra_megatron import launch
+
+    assert not torch.cuda.is_available()
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the launcher puts Megatron-LM first on it
+    monkeypatch.setenv("WORLD_SIZE", str(_smallest_job(config)))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what the torchrun scripts export
+    with pytest.raises(SystemExit) as done:
+        launch.main(["--check-only", "--megatron-args-file", str(config)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 0, line
+    assert not dist.is_initialized()
+    layers = re.search(r"^--num-layers (\d+)$", _model_args(config), re.M).group(1)
+    assert line.startswith(f"libra_megatron.launch: start-up checks passed (world size {_smallest_job(config)} = ")
+    assert f"full-size TransformerConfig: {layers} layers" in line and "CUDA not checked (no GPU visible" in line
+
+
+def _model_args(config):
+    include = re.search(r"^--megatron-args-file (models/\S+)$", config.read_text(), re.M).group(1)
+    return (config.parent / include).read_text()
+
+
+def test_cpu_substitutions_keep_what_transformer_config_validates(megatron_lm, monkeypatch):
+    """Every CPU substitution of the scaled-down step applied to the FULL-SIZE config (sizes kept): Megatron-LM's
+    validate_args and TransformerConfig still accept it, as they accept the config itself (the test above), so no
+    substitution is what makes a config build. The rules of the flags it drops (recompute, fusions, TE, grouped
+    GEMM) are checked at full size above."""
+    from megatron.training.arguments import validate_args
+
+    from libra_megatron.launch import expand_args_files
+    from libra_megatron.megatron.args import parse_megatron_args
+    from libra_megatron.megatron.model_checks import build_transformer_config
+
+    from .config_workers import scaled_config_argv
+
+    emulate_hopper_for_argument_validation(monkeypatch)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for config in RUN_CONFIGS:
+        full = expand_args_files(["--megatron-args-file", str(config)])
+        argv, changed = scaled_config_argv(full, moe="--num-experts" in full, scale=False)
+        assert not set(changed) & SCALED_FLAGS, config.stem
+        args = parse_megatron_args(REPO / "pretrain_gpt.py", argv + ["--mock-data"])
+        validate_args(args, {})
+        model = build_transformer_config(args)
+        assert model.num_layers == int(re.search(r"^--num-layers (\d+)$", _model_args(config), re.M).group(1))
 
 
 # ------------------------------------------------------------------ 2. scaled down, 2 gloo ranks

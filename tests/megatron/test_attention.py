@@ -201,3 +201,56 @@ def test_multi_rank_plan_through_the_module_matches_fp64_reference():
             out_err, *grad_err = results[i][0]
             assert out_err < 3e-5, f"case {i} rank {rank}: output error {out_err}"
             assert max(grad_err) < 1e-4, f"case {i} rank {rank}: dq/dk/dv errors {grad_err}"
+
+
+def test_pools_off_builds_its_varlen_metadata_once_per_carrier(monkeypatch):
+    """Every layer of a microbatch shares one carrier: its varlen metadata (numpy offsets, pinned copies) is
+    built by the first layer only; a new carrier builds its own."""
+    from libra_megatron.runtime.kernels import VarlenBatch
+
+    built = []
+    original = VarlenBatch.from_lengths
+
+    def counted(q_lens, k_lens, device):
+        built.append(list(q_lens))
+        return original(q_lens, k_lens, device)
+
+    monkeypatch.setattr(VarlenBatch, "from_lengths", staticmethod(counted))
+    hq, hkv, d, segments = 4, 2, 8, [5, 9, 2]
+    t = sum(segments)
+    q, k, v = _qkv(t, hq, hkv, d, seed=5)
+    dout = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(6))
+    layers = [_module(_config(hq, hkv, d)) for _ in range(3)]
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(segments), cu_seqlens_kv=_cu(segments))
+    for layer in layers:
+        out, grads = _run_and_grads(layer, q, k, v, dout, packed_seq_params=psp)
+        _assert_close_to_reference(out, grads, q, k, v, dout, segments)
+    assert built == [segments]
+    _run_and_grads(layers[0], q, k, v, dout, packed_seq_params=PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=_cu(segments), cu_seqlens_kv=_cu(segments)))
+    assert built == [segments, segments]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_mode_of_the_config_reaches_the_backward_kernel(monkeypatch, deterministic):
+    """TransformerConfig.deterministic_mode (Megatron-LM's --deterministic-mode) -> LibraCoreAttention -> the
+    backend's backward, recorded at the kernel table."""
+    import dataclasses
+
+    from libra_megatron.config import KernelBackendName
+    from libra_megatron.runtime import kernels
+
+    seen, exact = [], kernels._BACKENDS[KernelBackendName.TORCH]
+
+    def recording(*args, deterministic=False):
+        seen.append(deterministic)
+        return exact.raw_bwd(*args, deterministic=deterministic)
+
+    monkeypatch.setitem(kernels._BACKENDS, KernelBackendName.TORCH, dataclasses.replace(exact, raw_bwd=recording))
+    cfg = _config(4, 2, 8)
+    cfg.deterministic_mode = deterministic
+    segments = [6, 10]
+    q, k, v = _qkv(16, 4, 2, 8, seed=8)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(segments), cu_seqlens_kv=_cu(segments))
+    _run_and_grads(_module(cfg, kernel_backend="torch"), q, k, v, torch.ones(16, 4, 8), packed_seq_params=psp)
+    assert seen == [deterministic]

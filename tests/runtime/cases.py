@@ -6,6 +6,7 @@ over its whole packed sequence) and returns errors and byte counts; the tests as
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List
 
 import numpy as np
@@ -61,6 +62,7 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
             assign="alg2" if split_one_doc else ["home", "random", "alg2"][i % 3], assign_seed=int(rng.integers(1 << 30)),
             dtype="float64" if i % 4 else "float32", save_mode=["arranged", "refetch"][(i // 2) % 2],
             fmt="sbhd" if i % 5 == 3 else "thd", data_seed=int(rng.integers(1 << 30)),
+            deterministic=i == 1,  # --deterministic-mode reaches every backward kernel call
         ))
     return cases
 
@@ -126,9 +128,11 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     do = shard_tokens(dog, layout, c).to(dtype)
     stats = ExchangeStats()
     args = (q, k, v) if case["fmt"] == "thd" else tuple(x.unsqueeze(1) for x in (q, k, v))
-    out = libra_attn_func(*args, rp, group or dist.group.WORLD, qkv_format=case["fmt"],
-                          save_mode=case["save_mode"], stats=stats, backend="torch")
-    out.backward(do if case["fmt"] == "thd" else do.unsqueeze(1))
+    deterministic = bool(case.get("deterministic", False))
+    with _recorded_backward_flags() as seen:
+        out = libra_attn_func(*args, rp, group or dist.group.WORLD, qkv_format=case["fmt"],
+                              save_mode=case["save_mode"], stats=stats, backend="torch", deterministic=deterministic)
+        out.backward(do if case["fmt"] == "thd" else do.unsqueeze(1))
     got = (out.detach().reshape(q.shape), q.grad, k.grad, v.grad)
     errs = [_rel_err(a, shard_tokens(b, layout, c)) for a, b in zip(got, ref)]
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
@@ -139,7 +143,49 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
                 saved_predicted=predicted,
                 kv_recv_bytes=kv_recv_remote * rp.heads.kv_bytes_per_token(), saved_bytes=stats.saved_bytes,
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
-                kernel_calls=stats.kernel_calls)
+                kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)))
+
+
+@contextlib.contextmanager
+def _recorded_backward_flags():
+    """The ``deterministic`` value every backward kernel call of the torch backend receives (a list)."""
+    import dataclasses
+
+    from libra_megatron.config import KernelBackendName
+    from libra_megatron.runtime import kernels
+
+    seen, original = [], kernels._BACKENDS[KernelBackendName.TORCH]
+
+    def recording(*args, deterministic=False):
+        seen.append(deterministic)
+        return original.raw_bwd(*args, deterministic=deterministic)
+
+    kernels._BACKENDS[KernelBackendName.TORCH] = dataclasses.replace(original, raw_bwd=recording)
+    try:
+        yield seen
+    finally:
+        kernels._BACKENDS[KernelBackendName.TORCH] = original
+
+
+@contextlib.contextmanager
+def _nan_sentinel_buffers():
+    """O and dQ buffers of libra_attn start as NaN instead of uninitialised memory: a row the inverse Q route
+    does not write stays NaN and fails the reference comparison. Counts the buffers made."""
+    import torch
+
+    from libra_megatron.runtime import libra_attn
+
+    made, original = [], libra_attn._uninitialized_like
+
+    def nan_filled(x):
+        made.append(x.shape)
+        return torch.full_like(x, float("nan"))
+
+    libra_attn._uninitialized_like = nan_filled
+    try:
+        yield made
+    finally:
+        libra_attn._uninitialized_like = original
 
 
 def run_stale_case(rank: int, case: dict) -> str:
@@ -195,15 +241,17 @@ def run_subpool_cases(rank: int, world_size: int, cases) -> list:
 
 def run_suite(rank: int, world_size: int, libra_cases, stale_cases, ulysses_cases, subpool_cases=(),
               precision_cases=(), collective_case=None) -> dict:
-    """Everything one spawned run executes, in the same order on every rank."""
-    return dict(
-        subpool=run_subpool_cases(rank, world_size, subpool_cases) if subpool_cases else [],
-        libra=[run_libra_case(rank, c) for c in libra_cases],
-        stale=[run_stale_case(rank, c) for c in stale_cases],
-        ulysses=[run_ulysses_case(rank, c) for c in ulysses_cases],
-        precision=run_precision_cases(rank, precision_cases, world_size == 4) if precision_cases else None,
-        collectives=run_collective_counts(rank, collective_case) if collective_case else None,
-    )
+    """Everything one spawned run executes, in the same order on every rank; O and dQ buffers start as NaN."""
+    with _nan_sentinel_buffers() as sentinels:
+        return dict(
+            subpool=run_subpool_cases(rank, world_size, subpool_cases) if subpool_cases else [],
+            libra=[run_libra_case(rank, c) for c in libra_cases],
+            stale=[run_stale_case(rank, c) for c in stale_cases],
+            ulysses=[run_ulysses_case(rank, c) for c in ulysses_cases],
+            precision=run_precision_cases(rank, precision_cases, world_size == 4) if precision_cases else None,
+            collectives=run_collective_counts(rank, collective_case) if collective_case else None,
+            nan_sentinel_buffers=len(sentinels),
+        )
 
 
 # ====================================================================================== low precision

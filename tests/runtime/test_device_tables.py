@@ -104,3 +104,47 @@ def test_upload_reads_nothing_back_and_uses_only_ops_of_host_known_size(monkeypa
     finally:
         counter.restore()
     assert all(c == {} for c in counts) and banned == [], (counts, banned)
+
+
+class _FinishedWork:
+    def wait(self):
+        return None
+
+
+def _route(rows, accumulate):
+    splits = type("Splits", (), {"send": (len(rows),), "recv": (len(rows),), "remote_send_rows": 0})()
+    return routes.RouteIndex(torch.tensor(rows, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32), splits,
+                             accumulate)
+
+
+def test_an_exchange_releases_its_receive_buffer_once_placed_or_copied():
+    """The receive buffer of chunk m must be freed before chunk m computes (the Pipeliner keeps the exchange
+    object alive until the next chunk): placed() / into() hand it over and keep no reference."""
+    import gc
+    import weakref
+
+    for accumulate in (False, True):
+        received = torch.arange(6.0).reshape(3, 2)
+        alive = weakref.ref(received)
+        pending = routes.PendingExchange(_FinishedWork(), received, _route([2, 0, 1], accumulate))
+        del received
+        target = torch.zeros(3, 2)
+        pending.into(target)
+        gc.collect()
+        assert alive() is None and pending.received is None, accumulate
+        assert target[2].tolist() == [0.0, 1.0] and target[0].tolist() == [2.0, 3.0]
+    received = torch.arange(6.0).reshape(3, 2)
+    alive = weakref.ref(received)
+    pending = routes.PendingExchange(_FinishedWork(), received, _route([2, 0, 1], False))
+    del received
+    arranged = pending.placed()
+    gc.collect()
+    assert alive() is None and arranged[2].tolist() == [0.0, 1.0]
+
+
+def test_the_inverse_q_route_copies_and_the_inverse_kv_route_adds():
+    """O/dQ rows have one source (copied into an uninitialised buffer); dK|dV rows add over destinations."""
+    copy = routes.PendingExchange(_FinishedWork(), torch.ones(2, 1), _route([1, 0], False))
+    add = routes.PendingExchange(_FinishedWork(), torch.ones(2, 1), _route([1, 0], True))
+    assert copy.into(torch.full((2, 1), 5.0)).tolist() == [[1.0], [1.0]]
+    assert add.into(torch.full((2, 1), 5.0)).tolist() == [[6.0], [6.0]]

@@ -4,7 +4,7 @@ import os
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables"}
+SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -21,6 +21,10 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     for mode in ("arranged", "refetch"):
         assert sections["memory"][mode]["saved_equals_predicted"], sections["memory"][mode]
     assert sections["tables"]["rows_equal_host_expansion"] and sections["tables"]["rows"] > 0
+    exchange = sections["exchange"]  # a real 2-worker pool exchange: exact, tiles moved
+    assert exchange["workers"] == 2 and exchange["errors_ok"] and exchange["bytes_exchanged"] > 0
+    assert all(w["kernel_calls"] for w in exchange["per_worker"])
+    assert exchange["receive_buffers_released"]  # no placed exchange holds its receive buffer at a kernel call
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):

@@ -82,6 +82,39 @@ def test_flash_backend_calls_each_flash_attn_release_with_its_own_signature(monk
         _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("version", ["2.6.3", "2.7.4.post1", "2.8.3"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_mode_reaches_flash_attn_backward(monkeypatch, version, deterministic):
+    """Through the backend table's ``bwd`` (what libra_attn and the pools-off path call) to flash-attn's own
+    ``deterministic`` argument of every supported release."""
+    install_flash_attn(monkeypatch, version)
+    batch = _batch()
+    q, k, v, do = _tensors(torch.bfloat16)
+    out, lse = fa_backend.flash_fwd(q, k, v, batch, SCALE)
+    flash = kernels._BACKENDS[KernelBackendName.FLASH]
+    flash.bwd(do, q, k, v, out, lse, batch, SCALE, deterministic)
+    (_, _), (_, bwd) = CALLS
+    assert bwd["deterministic"] is deterministic
+
+
+def test_torch_flash_refuses_deterministic_backward_unless_torch_is_deterministic(monkeypatch):
+    ops = fake_kernels.fake_aten_ops(sorted(fake_kernels.ATEN_SCHEMAS)[-1])
+    monkeypatch.setattr(torch_flash, "aten_flash_ops", lambda: ops)
+    batch = _batch()
+    q, k, v, do = _tensors(torch.bfloat16)
+    out, lse = torch_flash.torch_flash_fwd(q, k, v, batch, SCALE)
+    saved = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        with pytest.raises(ValueError, match=r"^--deterministic-mode with --libra-kernel-backend torch_flash"):
+            torch_flash.torch_flash_bwd(do, q, k, v, out, lse, batch, SCALE, deterministic=True)
+        torch.use_deterministic_algorithms(True)  # what Megatron-LM's validate_args does for the flag
+        dq, _, _ = torch_flash.torch_flash_bwd(do, q, k, v, out, lse, batch, SCALE, deterministic=True)
+    finally:
+        torch.use_deterministic_algorithms(saved)
+    _close(dq, _exact(q, k, v, do, batch)[2], torch.bfloat16)
+
+
 def test_custom_op_wrappers_hide_their_parameters_so_signature_sniffing_cannot_work(monkeypatch):
     _, iface = fake_kernels.fake_flash_attn("2.8.3")
     params = inspect.signature(iface._flash_attn_varlen_forward).parameters
@@ -130,9 +163,11 @@ def test_flash_and_torch_flash_fakes_distinguish_bottom_right_from_top_left():
 # ------------------------------------------------------------------ resolution rules
 @pytest.fixture
 def capabilities(monkeypatch):
-    state = {"flash": False, "torch_flash": False}
+    """Faked: flash-attn importable, torch's FlashAttention compiled in, and the GPU's compute capability."""
+    state = {"flash": False, "torch_flash": False, "sm": (9, 0)}
     monkeypatch.setattr(kernels, "flash_available", lambda: state["flash"])
     monkeypatch.setattr(kernels, "torch_flash_available", lambda device: state["torch_flash"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["sm"])
     kernels._LOGGED.clear()
     return state
 
@@ -151,6 +186,20 @@ CUDA = torch.device("cuda", 0)
 def test_auto_picks_flash_then_torch_flash_then_exact(capabilities, flash, tflash, device, dtype, head_dim, expected):
     capabilities.update(flash=flash, torch_flash=tflash)
     assert resolve_backend("auto", device, dtype, head_dim).name.value == expected
+
+
+@pytest.mark.parametrize("sm", [(7, 5), (7, 0)])
+def test_pre_ampere_gpu_never_gets_a_flash_kernel(capabilities, sm):
+    """flash-attn 2 and torch's FlashAttention-2 raise on sm < 80: auto must take the exact path there, and an
+    explicit flash / torch_flash is a one-line error naming the flag and the GPU."""
+    capabilities.update(flash=True, torch_flash=True, sm=sm)
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 128).name.value == "torch"
+    for name in ("flash", "torch_flash"):
+        with pytest.raises(ValueError, match=rf"= {name} needs an sm80\+ \(Ampere or newer\) GPU, got "
+                                             rf"sm{sm[0]}{sm[1]} on cuda:0$"):
+            resolve_backend(name, CUDA, torch.bfloat16, 128)
+    capabilities.update(sm=(8, 0))
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 128).name.value == "flash"
 
 
 def test_auto_logs_its_choice_once(capabilities, caplog):

@@ -35,7 +35,7 @@ from .torch_flash import torch_flash_available, torch_flash_bwd, torch_flash_fwd
 from .torch_ref import torch_bwd, torch_fwd
 
 __all__ = ["VarlenBatch", "KernelBackend", "resolve_backend", "varlen_fwd", "varlen_bwd", "varlen_attn_func",
-           "flash_available", "torch_flash_available", "host_to_device"]
+           "flash_available", "torch_flash_available", "host_to_device", "device_capability"]
 
 logger = logging.getLogger(__name__)
 _FLAG = "--libra-kernel-backend (kernel_backend)"
@@ -95,19 +95,34 @@ class KernelBackend:
             return torch.zeros_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
         return self.raw_fwd(q, k, v, batch, scale)
 
-    def bwd(self, dout, q, k, v, out, lse, batch: VarlenBatch, scale: float):
+    def bwd(self, dout, q, k, v, out, lse, batch: VarlenBatch, scale: float, deterministic: bool = False):
+        """``deterministic``: Megatron-LM's --deterministic-mode (TransformerConfig.deterministic_mode), passed
+        to the kernel's backward (flash-attn's ``deterministic=``; see each backend)."""
         if batch.num_entries == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        return self.raw_bwd(dout, q, k, v, out, lse, batch, scale)
+        return self.raw_bwd(dout, q, k, v, out, lse, batch, scale, deterministic=deterministic)
+
+
+def device_capability(device) -> Optional[Tuple[int, int]]:
+    """(major, minor) of a CUDA ``device``, None when no CUDA runtime answers (tests fake it here)."""
+    try:
+        return tuple(torch.cuda.get_device_capability(device))
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime
+        return None
 
 
 def _flash_kernel_unsupported(device, dtype, head_dim) -> Optional[str]:
+    """The conditions shared by flash-attn and torch's vendored FlashAttention-2 (both need Ampere or newer)."""
     if device.type != "cuda":
         return f"needs CUDA tensors, got device {device}"
     if dtype not in _HALF:
         return f"supports fp16/bf16 only, got {dtype} (use kernel_backend torch for exact fp32/fp64)"
     if head_dim % 8 or head_dim > 256:
         return f"needs head_dim % 8 == 0 and head_dim <= 256, got {head_dim}"
+    capability = device_capability(device)
+    if capability is None or capability[0] < 8:
+        shown = "unknown" if capability is None else f"sm{capability[0]}{capability[1]}"
+        return f"needs an sm80+ (Ampere or newer) GPU, got {shown} on {device}"
     return None
 
 
@@ -165,9 +180,11 @@ def varlen_fwd(q, k, v, batch: VarlenBatch, softmax_scale: float, backend=Kernel
     return resolve_backend(backend, q.device, q.dtype, q.shape[-1]).fwd(q, k, v, batch, softmax_scale)
 
 
-def varlen_bwd(dout, q, k, v, out, lse, batch: VarlenBatch, softmax_scale: float, backend=KernelBackendName.AUTO):
+def varlen_bwd(dout, q, k, v, out, lse, batch: VarlenBatch, softmax_scale: float, backend=KernelBackendName.AUTO,
+               deterministic: bool = False):
     """Gradients of ``varlen_fwd``: (dq (nq, hq, d), dk (nk, hkv, d), dv (nk, hkv, d))."""
-    return resolve_backend(backend, q.device, q.dtype, q.shape[-1]).bwd(dout, q, k, v, out, lse, batch, softmax_scale)
+    return resolve_backend(backend, q.device, q.dtype, q.shape[-1]).bwd(dout, q, k, v, out, lse, batch, softmax_scale,
+                                                                        deterministic)
 
 
 class _VarlenAttnFunction(torch.autograd.Function):
@@ -175,9 +192,9 @@ class _VarlenAttnFunction(torch.autograd.Function):
     ``stats`` (an ``ExchangeStats`` or None) accumulates kernel thread time of forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, batch: VarlenBatch, scale: float, backend: KernelBackend, stats):
+    def forward(ctx, q, k, v, batch: VarlenBatch, scale: float, backend: KernelBackend, stats, deterministic: bool):
         out, lse = _call(stats, backend.fwd, q, k, v, batch, scale)
-        ctx.batch, ctx.scale, ctx.backend, ctx.stats = batch, scale, backend, stats
+        ctx.batch, ctx.scale, ctx.backend, ctx.stats, ctx.deterministic = batch, scale, backend, stats, deterministic
         if any(ctx.needs_input_grad[:3]):
             ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -185,16 +202,20 @@ class _VarlenAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _call(ctx.stats, ctx.backend.bwd, dout.contiguous(), q, k, v, out, lse, ctx.batch, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _call(ctx.stats, ctx.backend.bwd, dout.contiguous(), q, k, v, out, lse, ctx.batch, ctx.scale,
+                           ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _call(stats, fn, *args):
     return fn(*args) if stats is None else stats.timed_kernel(fn, *args)
 
 
-def varlen_attn_func(q, k, v, batch: VarlenBatch, softmax_scale=None, backend=KernelBackendName.AUTO, stats=None):
-    """Differentiable bottom-right causal varlen attention: q (nq, hq, d), k/v (nk, hkv, d) -> (nq, hq, d)."""
+def varlen_attn_func(q, k, v, batch: VarlenBatch, softmax_scale=None, backend=KernelBackendName.AUTO, stats=None,
+                     deterministic: bool = False):
+    """Differentiable bottom-right causal varlen attention: q (nq, hq, d), k/v (nk, hkv, d) -> (nq, hq, d).
+    ``deterministic`` reaches the backend's backward (``KernelBackend.bwd``)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     chosen = resolve_backend(backend, q.device, q.dtype, q.shape[-1])
-    return _VarlenAttnFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), batch, scale, chosen, stats)
+    return _VarlenAttnFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), batch, scale, chosen, stats,
+                                     bool(deterministic))

@@ -75,10 +75,10 @@ def _fwd_26(fai, q, k, v, batch, scale):
     return res[0], res[5]  # (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
 
 
-def _bwd_26(fai, dout, q, k, v, out, lse, dq, dk, dv, batch, scale):
+def _bwd_26(fai, dout, q, k, v, out, lse, dq, dk, dv, batch, scale, deterministic):
     fai._flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, scale,
-        True, (-1, -1), 0.0, None, False, rng_state=None,
+        True, (-1, -1), 0.0, None, deterministic, rng_state=None,
     )
 
 
@@ -92,10 +92,10 @@ def _fwd_27(fai, q, k, v, batch, scale):
     return out, lse
 
 
-def _bwd_27(fai, dout, q, k, v, out, lse, dq, dk, dv, batch, scale):
+def _bwd_27(fai, dout, q, k, v, out, lse, dq, dk, dv, batch, scale, deterministic):
     fai._flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, scale,
-        True, -1, -1, 0.0, None, False, rng_state=None,
+        True, -1, -1, 0.0, None, deterministic, rng_state=None,
     )
 
 
@@ -120,8 +120,9 @@ def flash_fwd(q, k, v, batch, scale: float):
     return _calls()[0](_interface(), q, k, v, batch, scale)
 
 
-def flash_bwd(dout, q, k, v, out, lse, batch, scale: float):
-    """(dq, dk, dv) in the input dtype; dk/dv of GQA are reduced over the group inside flash-attn."""
+def flash_bwd(dout, q, k, v, out, lse, batch, scale: float, deterministic: bool = False):
+    """(dq, dk, dv) in the input dtype; dk/dv of GQA are reduced over the group inside flash-attn.
+    ``deterministic``: flash-attn's deterministic backward (Megatron-LM's --deterministic-mode)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _calls()[1](_interface(), dout.contiguous(), q, k, v, out, lse, dq, dk, dv, batch, scale)
+    _calls()[1](_interface(), dout.contiguous(), q, k, v, out, lse, dq, dk, dv, batch, scale, bool(deterministic))
     return dq, dk, dv

@@ -45,13 +45,11 @@ def aten_flash_ops():
 
 
 def torch_flash_available(device: torch.device) -> bool:
-    """CUDA build with FlashAttention compiled in, not ROCm, and an sm80+ device."""
+    """CUDA build with FlashAttention compiled in, not ROCm (the sm80+ rule is the kernels' shared one)."""
     if device.type != "cuda" or getattr(torch.version, "hip", None):
         return False
     try:
-        if not torch.backends.cuda.is_flash_attention_available():
-            return False
-        return torch.cuda.get_device_capability(device)[0] >= 8
+        return bool(torch.backends.cuda.is_flash_attention_available())
     except Exception:  # noqa: BLE001 - no usable CUDA runtime
         return False
 
@@ -82,8 +80,14 @@ def _rng_placeholders(device):
     return torch.empty((2,), dtype=uint64, device=device), torch.empty((), dtype=uint64, device=device)
 
 
-def torch_flash_bwd(dout, q, k, v, out, lse, batch, scale: float, expand_kv: bool = False):
-    """(dq, dk, dv) in the input dtype."""
+def torch_flash_bwd(dout, q, k, v, out, lse, batch, scale: float, expand_kv: bool = False,
+                    deterministic: bool = False):
+    """(dq, dk, dv) in the input dtype. The aten op has no ``deterministic`` argument: it reads
+    ``torch.are_deterministic_algorithms_enabled()``, which Megatron-LM's --deterministic-mode turns on
+    (``validate_args``); a deterministic call without it is refused rather than run non-deterministically."""
+    if deterministic and not torch.are_deterministic_algorithms_enabled():
+        raise ValueError("--deterministic-mode with --libra-kernel-backend torch_flash: torch's FlashAttention backward "
+                         "is deterministic only under torch.use_deterministic_algorithms(True), which is off")
     _, bwd_op = aten_flash_ops()
     hkv = k.shape[1]
     group = q.shape[1] // hkv if expand_kv else 1

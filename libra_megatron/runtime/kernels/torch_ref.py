@@ -61,7 +61,8 @@ def torch_fwd(q, k, v, batch, scale: float):
     return out.to(q.dtype), lse if ct == torch.float64 else lse.float()
 
 
-def torch_bwd(dout, q, k, v, out, lse, batch, scale: float):
+def torch_bwd(dout, q, k, v, out, lse, batch, scale: float, deterministic: bool = False):
+    """Exact gradients (dq, dk, dv). ``deterministic`` needs nothing here: slices summed in a fixed order."""
     ct = _compute_dtype(q.dtype)
     hkv, group = k.shape[1], q.shape[1] // k.shape[1]
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
