@@ -48,9 +48,11 @@ PATCH_POINTS: Tuple[PatchPoint, ...] = (
     PatchPoint(
         "get_batch", "patches/get_batch.py",
         ("megatron.training.pretrain", "megatron.training.training.pretrain",
-         "<program>.get_batch (global used by forward_step)"),
+         "<program>.get_batch (global used by forward_step)",
+         "<program>.is_dataset_built_on_rank (global used by the dataset provider)"),
         "THD batch with cu_seqlens, per-document RoPE positions, the operator's CP token layout and the "
-        "step's RankPlan on LibraPackedSeqParams",
+        "step's RankPlan on LibraPackedSeqParams, on every pipeline stage and model chunk (each builds the "
+        "sample index and a loader; middle stages use only the document lengths)",
     ),
     PatchPoint(
         "per-step metrics", "patches/training_log.py",
@@ -70,7 +72,7 @@ def install_all(hooks: Any) -> Patcher:
         parse_args.install(patcher, hooks.add_args)
         model_parallel.install(patcher, hooks.on_model_parallel_ready, hooks.on_model_parallel_destroyed)
         data_loader.install(patcher, hooks.build_data_loader)
-        get_batch.install(patcher, hooks.make_get_batch)
+        get_batch.install(patcher, hooks.make_get_batch, hooks.make_dataset_rule)
         training_log.install(patcher, hooks.after_training_log)
     except BaseException:
         patcher.undo()

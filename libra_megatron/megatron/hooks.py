@@ -13,6 +13,7 @@ callback                       called from
 ``on_model_parallel_destroyed``just before ``parallel_state.destroy_model_parallel``
 ``build_data_loader(ds, n)``   ``build_pretraining_data_loader`` (data_samplers and training)
 ``make_get_batch(original)``   when ``pretrain(...)`` receives the program's ``forward_step``
+``make_dataset_rule(original)``when ``pretrain(...)`` receives the program's dataset provider
 ``after_training_log(it)``     after Megatron's ``training_log`` of iteration ``it``
 =============================  =================================================================
 
@@ -21,6 +22,18 @@ Plan-ahead (§5 "Data and planning path"). Every loader built here gets ``_plan_
 plans this rank needs at each of the window's GA indices are queued on the background planner at once, so
 ``get_batch``'s ``planner.get`` normally finds them finished instead of planning on the critical path.
 Ranks without a loader (TP rank > 0) still plan on demand in ``get``.
+
+Pipeline stages (any PP depth, interleaved virtual stages). Megatron-LM's ``pretrain_gpt.py`` builds datasets
+and loaders only on the first and last (virtual) stage and its ``get_batch`` returns nothing elsewhere, so
+attention on a middle stage would see one causal document per packed sequence. Libra's dataset rule
+(``make_dataset_rule``) builds the sample index on TP rank 0 of *every* stage and model chunk, so each chunk
+has its own loader and sampler. The sampler is deterministic (VRSP is a pure function of the window's
+document lengths, the same on every rank), so chunk ``c`` of stage ``s`` reads exactly the microbatch
+sequence of the first stage, and Megatron's schedules (1F1B and interleaved alike) run each chunk's
+microbatches in increasing order and pass ``data_iterator[chunk]``: the microbatch a chunk computes is the
+one its iterator yields, the same rule that gives the last stage its labels. A middle stage's ``get_batch``
+returns only the carrier (document boundaries and the plan; the pool plan comes from this stage's own
+background planner, planned ahead from its own sampler). No collective runs between stages for it.
 
 Megatron-LM's training package (``megatron.training``) is imported lazily inside the callbacks: it is not
 on PyPI and is only importable once ``libra_megatron.launch`` has put ``MEGATRON_LM_PATH`` on sys.path.
@@ -59,14 +72,6 @@ def _attention_dropout(args: argparse.Namespace) -> Optional[str]:
     if p > 0:
         return (f"--attention-dropout {p:g}: Libra's attention runs without dropout (Megatron-LM's default "
                 f"is 0.1 when the flag is not given); pass --attention-dropout 0")
-    return None
-
-
-def _pipeline_stages(args: argparse.Namespace) -> Optional[str]:
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if pp > 2:
-        return (f"--pipeline-model-parallel-size {pp}: the Libra batch path needs the step's plan on every "
-                f"stage, and Megatron-LM builds data iterators only on the first and last stage (PP <= 2)")
     return None
 
 
@@ -110,7 +115,7 @@ def _libra_spec(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-_LAYOUT_RULES = (_attention_dropout, _pipeline_stages, _dataloader, _hybrid_cp, _mla,
+_LAYOUT_RULES = (_attention_dropout, _dataloader, _hybrid_cp, _mla,
                  _reset_position_ids_with_cp, _libra_spec)
 """Megatron settings the Libra path cannot run with; each returns the error (naming the flag) or None."""
 
@@ -196,6 +201,7 @@ class LibraHooks:
                     "RoPE positions restart per document" if self.qkv_format == "thd"
                     else "RoPE positions run over the packed sequence")
         initialize_pool_groups(config.pool_size, order=_rank_order(args))
+        _size_table_cache(args)
         self.tp_cpu_group = _tp_gloo_group()
         self.config = config
         self.planner = _start_planner(config, args)
@@ -237,21 +243,43 @@ class LibraHooks:
         get_batch.megatron_get_batch = original  # type: ignore[attr-defined]
         return get_batch
 
+    def make_dataset_rule(self, original: Callable[..., bool]) -> Callable[..., bool]:
+        """The ``is_dataset_built_on_rank(vp_stage=None)`` that replaces the program's ``original``: TP rank 0
+        of every pipeline stage and model chunk builds the dataset (see the module doc, "Pipeline stages")."""
+
+        def is_dataset_built_on_rank(vp_stage=None):
+            from megatron.core import parallel_state
+
+            return parallel_state.get_tensor_model_parallel_rank() == 0
+
+        is_dataset_built_on_rank.megatron_rule = original  # type: ignore[attr-defined]
+        return is_dataset_built_on_rank
+
     def get_batch(self, data_iterator: Any, vp_stage: Optional[int] = None) -> tuple:
-        """Six values like pretrain_gpt's get_batch; packed_seq_params is a LibraPackedSeqParams with the plan."""
+        """Six values like pretrain_gpt's get_batch; packed_seq_params is a LibraPackedSeqParams with the plan.
+
+        Every (virtual) stage reads its chunk's next microbatch; stages that are neither first nor last get
+        None for the five tensors, as from Megatron-LM, and the carrier with this microbatch's plan.
+        """
         from megatron.core import parallel_state
         from megatron.training.utils import is_first_or_last_pipeline_stage
 
-        if not is_first_or_last_pipeline_stage(vp_stage):
-            return None, None, None, None, None, None
+        if data_iterator is None and parallel_state.get_tensor_model_parallel_rank() == 0:
+            raise RuntimeError(
+                f"Libra get_batch on pipeline stage {parallel_state.get_pipeline_model_parallel_rank()} "
+                f"(model chunk {vp_stage}) has no data iterator: the program's dataset provider did not build "
+                f"the dataset on this stage (Libra's is_dataset_built_on_rank was not installed)"
+            )
         sample = _read_sample_across_tp(data_iterator, self.tp_cpu_group)
         pool_segments, position = _pool_metadata(sample)
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
-        return self._assemble(sample, pool_segments, position, cp_size, cp_rank)
+        return self._assemble(sample, pool_segments, position, cp_size, cp_rank,
+                              with_tensors=is_first_or_last_pipeline_stage(vp_stage))
 
     def _assemble(self, sample: dict, pool_segments: List[np.ndarray], position: int, cp_size: int,
-                  cp_rank: int) -> tuple:
+                  cp_rank: int, with_tensors: bool = True) -> tuple:
+        """The six values; without ``with_tensors`` (a middle stage) only the carrier goes to the device."""
         from .batch import LibraPackedSeqParams, build_libra_batch
 
         config = self._require_config()
@@ -260,6 +288,8 @@ class LibraHooks:
         packed = _packed_seq_params(LibraPackedSeqParams, self.qkv_format, batch, plan, pool_segments, position)
         packed.libra_kernel_backend = config.kernel_backend.value
         packed.libra_save_mode = None if save_mode is None else save_mode.value
+        if not with_tensors:
+            return None, None, None, None, None, packed
         # RoPE ignores position_ids in megatron-core; they are returned consistent with the carrier anyway.
         positions = batch["position_ids"] if self.qkv_format == "thd" else batch["local_to_global"][None]
         device = _device()
@@ -274,7 +304,7 @@ class LibraHooks:
 
         Intra-pool balance, bytes and planner latency come from the last plan this rank used; inter-pool
         R-1 before/after VRSP from the window just trained (``args.consumed_train_samples``), when this
-        rank holds the train sampler (TP rank 0 of the first/last stage).
+        rank holds the train sampler (TP rank 0 of every pipeline stage).
         """
         from megatron.training import get_args, get_tensorboard_writer
 
@@ -301,6 +331,19 @@ class LibraHooks:
 def _rank_order(args: argparse.Namespace) -> str:
     """The RankGenerator order initialize._initialize_distributed passes to initialize_model_parallel."""
     return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
+def _size_table_cache(args: argparse.Namespace) -> None:
+    """Keep the device tables of every microbatch a pipeline holds in flight: up to PP microbatches at the
+    first stage under 1F1B, about twice that with interleaved stages (a microbatch's chunks share one
+    RankPlan); at most the GA count of a step. A miss only re-uploads tables, so this is a bound, not a rule."""
+    from ..runtime import set_table_cache_size
+
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    ga = max(1, int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp))
+    set_table_cache_size(max(4, min(ga, pp * (2 if vpp else 1))))
 
 
 def _run_dir(args: argparse.Namespace) -> Optional[str]:

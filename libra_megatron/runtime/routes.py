@@ -205,7 +205,8 @@ _CACHE = _TableCache(capacity=4)
 
 
 def set_table_cache_size(capacity: int) -> None:
-    """Plans whose device tables stay cached (default 4: the microbatches in flight under 1F1B, PP <= 2)."""
+    """Plans whose device tables stay cached (default 4; a Megatron-LM run sizes it to the microbatches its
+    pipeline holds in flight, ``megatron.hooks``)."""
     if capacity < 1:
         raise ValueError(f"table cache size must be >= 1, got {capacity}")
     _CACHE.capacity = int(capacity)

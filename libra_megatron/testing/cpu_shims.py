@@ -253,6 +253,18 @@ def _gloo_new_group(original):
     return new_group
 
 
+def _copying_isend(original):
+    """Megatron frees a pipeline output right after starting its send (``deallocate_output_tensor`` swaps its
+    ``.data``); on GPUs the caching allocator keeps the memory valid for the NCCL stream, but gloo's isend reads
+    the host buffer from its own thread later, so the freed memory could be reused before it goes out (seen as
+    run-to-run differences under the interleaved schedule, whose sends overlap compute). Send a private copy."""
+
+    def isend(tensor, *args, **kwargs):
+        return original(tensor.detach().clone(), *args, **kwargs)
+
+    return isend
+
+
 def emulate_cuda_on_cpu() -> None:
     """Install the CPU-as-CUDA emulation for Megatron-LM's ``pretrain()``; idempotent."""
     if cuda_is_emulated():
@@ -271,6 +283,9 @@ def emulate_cuda_on_cpu() -> None:
     torch._dynamo.config.disable = True  # and nothing else may start dynamo either
     dist.init_process_group = _gloo_init_process_group(dist.init_process_group)
     dist.new_group = _gloo_new_group(dist.new_group)
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.isend = dist.isend = _copying_isend(c10d.isend)  # both names: batch_isend_irecv checks op is isend
     mode = _CudaToCpu()
     mode.__enter__()  # process-wide: the whole run is "on the GPU"
     _STATE["emulation"] = mode

@@ -14,6 +14,21 @@ def megatron_lm_path():
     return _megatron_lm_path()
 
 
+@pytest.fixture(scope="session")
+def linux_corpus(tmp_path_factory):
+    """A real Megatron indexed dataset (.bin/.idx prefix) with the document lengths of the first 400 files of
+    the linux-6.12 trace (skewed: median 367 tokens, max 41,356), built once per session for every
+    Megatron-LM loop test; synthetic tokens, vocabulary 256 with EOD 255."""
+    from libra_megatron.megatron.corpus import build_indexed_dataset_from_trace
+
+    from .megatron_lm import REPO
+
+    folder = tmp_path_factory.mktemp("corpus")
+    trace = REPO / "data" / "traces" / "linux-6.12-files.qwen.txt"
+    build_indexed_dataset_from_trace(trace, str(folder / "linux"), vocab_size=256, eod=255, max_docs=400)
+    return str(folder / "linux")
+
+
 @pytest.fixture
 def fake_module(tmp_path, monkeypatch):
     """``fake_module(name, source)`` writes ``source`` to a real file and imports it (so getsource works)."""

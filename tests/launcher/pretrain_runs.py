@@ -41,6 +41,26 @@ LIBRA_FLAGS = ["--no-create-attention-mask-in-dataloader", "--spec", "libra_mega
 LibraCoreAttention), P=2, 256-token SH-Tile blocks (so TAP has tiles to move at L=1024)."""
 
 
+def resume_flags(checkpoint: str, train_iters: int) -> List[str]:
+    """Flags that load ``checkpoint`` (Megatron's torch_dist format reshards to any TP/PP/DP) and train to
+    ``train_iters``. RNG states are not loaded: they are saved per (PP, TP) rank, and the tiny model has no
+    dropout, so nothing in training draws from them."""
+    return ["--load", checkpoint, "--no-load-rng", "--train-iters", str(train_iters)]
+
+
+def save_shared_checkpoint(flags: Sequence[str], workdir: Path, megatron_lm: str, train_iters: int,
+                           nproc: int = 2) -> str:
+    """Train plain Megatron-LM one iteration and save it (torch_dist) for runs of every layout to load.
+
+    ``--train-iters`` is the loading runs' (Megatron's LR schedule in the checkpoint must match it); the run
+    stops after iteration 1 with ``--exit-interval 1``. Returns the checkpoint folder."""
+    checkpoint = str(workdir / "checkpoint")
+    run_pretrain(nproc, list(flags) + ["--train-iters", str(train_iters), "--exit-interval", "1", "--save",
+                                       checkpoint, "--save-interval", "1", "--ckpt-format", "torch_dist"],
+                 workdir / "save", megatron_lm, without_libra=True).check()
+    return checkpoint
+
+
 @dataclass
 class PretrainRun:
     """What one run printed and wrote."""

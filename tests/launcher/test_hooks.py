@@ -21,7 +21,6 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("kw, pattern", [
-    (dict(pipeline_model_parallel_size=4), r"^--pipeline-model-parallel-size 4: .*PP <= 2"),
     (dict(dataloader_type="external"), r"^--dataloader-type external"),
     (dict(hybrid_context_parallel=True), r"^--hybrid-context-parallel"),
     (dict(attention_dropout=0.1), r"^--attention-dropout 0.1: .*default is 0.1 .*pass --attention-dropout 0$"),
@@ -34,7 +33,9 @@ def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
         check_supported_layout(_args(**kw))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(pipeline_model_parallel_size=2), dict(dataloader_type="cyclic"),
+@pytest.mark.parametrize("kw", [dict(), dict(pipeline_model_parallel_size=2), dict(pipeline_model_parallel_size=8),
+                                dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                                dict(dataloader_type="cyclic"),
                                 dict(dataloader_type=None), dict(attention_dropout=0.0, hidden_dropout=0.1),
                                 dict(context_parallel_size=1, reset_position_ids=True)])
 def test_supported_layouts_pass(kw):

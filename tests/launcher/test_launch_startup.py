@@ -37,7 +37,6 @@ BAD = [  # (case, world size, argv, message pattern)
     ("mla", 2, GOOD + ["--multi-latent-attention"], r"^--multi-latent-attention: .*not MLA$"),
     ("micro-batch-2", 2, _replace(GOOD, "--micro-batch-size", "2"),
      r"^Libra requires --micro-batch-size 1 \(one packed sequence per microbatch\), got 2$"),
-    ("pp-4", 4, GOOD + ["--pipeline-model-parallel-size", "4"], r"^--pipeline-model-parallel-size 4: .*PP <= 2\)$"),
     ("reset-position-ids-cp-2", 2, GOOD + ["--context-parallel-size", "2", "--reset-position-ids"],
      r"^--reset-position-ids with --context-parallel-size 2: "),
     ("external-loader", 2, GOOD + ["--dataloader-type", "external"], r"^--dataloader-type external: "),
@@ -174,6 +173,20 @@ def test_unsupported_settings_fail_before_distributed_init_naming_the_flag(monke
 def test_supported_settings_pass_and_give_the_effective_config(monkeypatch):
     config = _startup_checks(monkeypatch, 4, GOOD + ["--libra-pool-size", "2", "--context-parallel-size", "2"])
     assert config.pool_size == 2
+
+
+PIPELINES = [  # (case, world size, argv): pipeline layouts Libra runs (tests/launcher/test_pipeline_stages.py trains them)
+    ("pp-4", 4, _replace(GOOD, "--num-layers", "4") + ["--pipeline-model-parallel-size", "4"]),
+    ("pp-2-vpp-2", 4, _replace(GOOD, "--num-layers", "4") + ["--pipeline-model-parallel-size", "2",
+                                                             "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp-8-dp-1", 8, _replace(GOOD, "--num-layers", "8") + ["--pipeline-model-parallel-size", "8"]),
+]
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("case, world_size, argv", PIPELINES, ids=[case[0] for case in PIPELINES])
+def test_pipelines_of_any_depth_pass_the_start_up_checks(monkeypatch, case, world_size, argv):
+    assert _startup_checks(monkeypatch, world_size, argv).pool_size == 1
 
 
 def _launch(args, env_extra=None, module="libra_megatron.launch", cwd=None):

@@ -42,6 +42,9 @@ class _NoopHooks:
     def make_get_batch(self, original):
         return original
 
+    def make_dataset_rule(self, original):
+        return original
+
     def after_training_log(self, iteration):
         pass
 

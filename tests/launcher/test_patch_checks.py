@@ -12,7 +12,7 @@ from libra_megatron.patches._base import (
     check_megatron_core_version,
     resolve_target,
 )
-from libra_megatron.patches.get_batch import swap_get_batch
+from libra_megatron.patches.get_batch import swap_dataset_rule, swap_get_batch
 from libra_megatron.patches.parse_args import merge_args_providers
 
 TARGET_SOURCE = """
@@ -163,6 +163,41 @@ def test_swap_get_batch_refuses_a_changed_get_batch_signature(fake_module):
     program = fake_module("fake_pretrain_gpt", changed)
     with pytest.raises(PatchTargetChanged, match="changed its signature"):
         swap_get_batch(program.forward_step, lambda original: original)
+
+
+DATASET_PROVIDER_SOURCE = """
+from functools import partial
+
+def is_dataset_built_on_rank(vp_stage=None):
+    return vp_stage in (None, 0)
+
+def build(is_built_on_rank):
+    return "dataset" if is_built_on_rank() else None
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    return build(partial(is_dataset_built_on_rank, vp_stage=vp_stage))
+"""
+
+
+def test_swap_dataset_rule_builds_on_every_stage_the_provider_serves(fake_module):
+    from functools import partial
+
+    program = fake_module("fake_pretrain_gpt", DATASET_PROVIDER_SOURCE)
+    assert program.train_valid_test_datasets_provider(None, vp_stage=1) is None  # Megatron's rule: not here
+    wrapped = partial(program.train_valid_test_datasets_provider, vp_stage=1)  # how training.py hands it on
+    original = swap_dataset_rule(wrapped, lambda megatron_rule: lambda vp_stage=None: True)
+    assert program.train_valid_test_datasets_provider(None, vp_stage=1) == "dataset"
+    assert original(0) and not original(1)
+
+
+def test_swap_dataset_rule_refuses_a_provider_that_does_not_use_the_rule(fake_module):
+    changed = DATASET_PROVIDER_SOURCE.replace("partial(is_dataset_built_on_rank, vp_stage=vp_stage)",
+                                              "lambda: True")
+    program = fake_module("fake_pretrain_gpt", changed)
+    before = program.is_dataset_built_on_rank
+    with pytest.raises(PatchTargetChanged, match="no longer matches core_v0.16.1"):
+        swap_dataset_rule(program.train_valid_test_datasets_provider, lambda original: original)
+    assert program.is_dataset_built_on_rank is before
 
 
 def test_model_parallel_target_matches_installed_megatron_core():

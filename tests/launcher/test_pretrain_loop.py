@@ -23,7 +23,7 @@ norm must match the reference.
 """
 import pytest
 
-from .megatron_lm import REPO, needs_megatron_lm
+from .megatron_lm import needs_megatron_lm
 from .pretrain_runs import (
     LIBRA_FLAGS,
     TRAIN_ITERS,
@@ -43,13 +43,8 @@ LIBRA_SCALARS = ("libra/inter_pool_r1_before", "libra/inter_pool_r1_after", "lib
 
 
 @pytest.fixture(scope="module")
-def common(tmp_path_factory):
-    from libra_megatron.megatron.corpus import build_indexed_dataset_from_trace
-
-    folder = tmp_path_factory.mktemp("corpus")
-    trace = REPO / "data" / "traces" / "linux-6.12-files.qwen.txt"
-    build_indexed_dataset_from_trace(trace, str(folder / "linux"), vocab_size=256, eod=255, max_docs=400)
-    return common_flags(str(folder / "linux"), str(folder / "index-cache"))
+def common(linux_corpus, tmp_path_factory):
+    return common_flags(linux_corpus, str(tmp_path_factory.mktemp("index-cache")))
 
 
 @pytest.fixture(scope="module")

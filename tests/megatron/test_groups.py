@@ -9,8 +9,8 @@ from libra_megatron.megatron.groups import pool_rank_lists
 
 SHAPES = [  # (tp, cp, dp, pp, P)
     (1, 1, 8, 1, 2), (1, 2, 4, 1, 2), (2, 2, 2, 1, 2), (2, 1, 4, 2, 4), (1, 4, 4, 2, 1),
-    (2, 2, 6, 1, 3), (4, 1, 2, 3, 2), (1, 2, 8, 1, 8),
-]
+    (2, 2, 6, 1, 3), (4, 1, 2, 3, 2), (1, 2, 8, 1, 8), (1, 1, 2, 4, 2), (2, 1, 2, 8, 2),
+]  # PP=4/8: each stage's pools hold only that stage's ranks
 
 
 def _coords(rank: int, sizes: dict, order: str) -> dict:
@@ -42,7 +42,7 @@ def test_pool_rank_lists_match_brute_force_coordinates(tp, cp, dp, pp, pool, ord
     assert sorted(itertools.chain.from_iterable(got)) == list(range(tp * cp * dp * pp))
 
 
-@pytest.mark.parametrize("tp,cp,dp,pp", [(1, 2, 4, 1), (2, 2, 2, 2), (2, 1, 4, 1)])
+@pytest.mark.parametrize("tp,cp,dp,pp", [(1, 2, 4, 1), (2, 2, 2, 2), (2, 1, 4, 1), (1, 1, 2, 4)])
 def test_pool_of_whole_dp_equals_megatron_dp_cp_group(tp, cp, dp, pp):
     from megatron.core.parallel_state import RankGenerator
 
