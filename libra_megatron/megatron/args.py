@@ -146,11 +146,12 @@ def libra_config_from_args(args: Any) -> LibraConfig:
     _check_packing(config)
     heads, groups, tp = _heads_per_tensor_parallel_rank(args)
     gbs = getattr(args, "global_batch_size", None)
+    data_parallel_size = _data_parallel_size(args)  # its error is about the world size, not the heads per TP rank
     try:
         return config.validate(
             num_attention_heads=heads,
             num_query_groups=groups,
-            data_parallel_size=_data_parallel_size(args),
+            data_parallel_size=data_parallel_size,
             context_parallel_size=int(getattr(args, "context_parallel_size", 1) or 1),
             seq_length=getattr(args, "seq_length", None),
             micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),

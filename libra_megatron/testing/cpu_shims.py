@@ -265,6 +265,22 @@ def _copying_isend(original):
     return isend
 
 
+_RNG_STUBS = ("_lazy_call", "default_generators", "get_rng_state", "set_rng_state")
+
+
+def emulate_cuda_rng_on_cpu() -> None:
+    """Only the CUDA-RNG part of the emulation, for megatron-core used in-process without it (the shipped-config
+    step): Megatron's activation recompute saves and restores the "CUDA" RNG state around each recomputed
+    layer. The "CUDA" RNG is the CPU generator; seeds are untouched. Idempotent; a no-op with a real GPU."""
+    if _REAL_CUDA_AVAILABLE() or cuda_is_emulated():
+        return
+    stubs = _cuda_stubs()
+    for name in _RNG_STUBS:
+        setattr(torch.cuda, name, stubs[name])
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state  # Megatron calls the torch.cuda.random names
+    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+
+
 def emulate_cuda_on_cpu() -> None:
     """Install the CPU-as-CUDA emulation for Megatron-LM's ``pretrain()``; idempotent."""
     if cuda_is_emulated():

@@ -45,10 +45,6 @@ CPU_SUBSTITUTIONS: Dict[str, Tuple[object, str]] = {
     "--moe-token-dispatcher-type": ("allgather", "the alltoall dispatcher creates a torch.cuda.Stream"),
     "--expert-model-parallel-size": (1, "the allgather dispatcher needs reduce-scatter over EP, which gloo lacks"),
     "--expert-tensor-parallel-size": (1, "(see --expert-model-parallel-size)"),
-    "--recompute-granularity": (None, "activation recompute forks the CUDA RNG state (its TransformerConfig "
-                                      "rules are checked at full size, test_shipped_configs)"),
-    "--recompute-method": (None, "(see --recompute-granularity)"),
-    "--recompute-num-layers": (None, "(see --recompute-granularity)"),
     "--num-workers": (0, "no DataLoader worker processes inside the test's gloo ranks"),
 }
 VALUELESS = {"--moe-grouped-gemm", "--cross-entropy-loss-fusion", "--sequence-parallel"}
@@ -126,7 +122,8 @@ def _one_config(world_size, config, data_prefix, work, reference):
     hooks, patcher, args, changed = _start(world_size, config, data_prefix, work)
     try:
         out = {"changed": changed, "spec": list(args.spec), "norm_epsilon": args.layernorm_epsilon,
-               "attention_dropout": args.attention_dropout, "hidden_dropout": args.hidden_dropout}
+               "attention_dropout": args.attention_dropout, "hidden_dropout": args.hidden_dropout,
+               "recompute": (args.recompute_granularity, args.recompute_method, args.recompute_num_layers)}
         out.update(_build_and_step(hooks, args, reference))
         return out
     finally:
@@ -140,9 +137,10 @@ def _start(world_size, config, data_prefix, work):
     import torch
 
     from libra_megatron.launch import expand_args_files
-    from libra_megatron.testing.cpu_shims import apply_megatron_cpu_shims
+    from libra_megatron.testing.cpu_shims import apply_megatron_cpu_shims, emulate_cuda_rng_on_cpu
 
     apply_megatron_cpu_shims()
+    emulate_cuda_rng_on_cpu()  # the configs' full activation recompute saves/restores the "CUDA" RNG state
     import megatron.training.initialize as initialize
     import libra_megatron.patches as patches
     from megatron.core import parallel_state

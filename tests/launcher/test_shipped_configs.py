@@ -187,6 +187,7 @@ def test_each_config_builds_its_model_with_libra_attention_in_every_layer(steppe
             assert r["vocab_rows"] == 151936 and r["param_dtype"] == "torch.bfloat16", name
             assert (r["norm_epsilon"], r["attention_dropout"], r["hidden_dropout"]) == (1e-6, 0.0, 0.0), name
             assert r["libra_pool_size"] == 2, name
+            assert r["recompute"] == ("full", "uniform", 1), name  # the configs' recompute runs in the step
 
 
 def test_only_size_flags_and_listed_cpu_substitutions_change(stepped):
