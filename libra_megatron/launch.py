@@ -273,7 +273,7 @@ def install_hooks(megatron_lm_path: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- help
-def _print_help(argv: Sequence[str]) -> None:
+def _print_help(argv: Sequence[str], before_megatron_import: Optional[Callable[[LaunchPlan], None]] = None) -> None:
     """The launcher's help, then Megatron-LM's with --libra-* (never clones; a note if it cannot be found)."""
     _launcher_parser().print_help()
     try:
@@ -281,6 +281,8 @@ def _print_help(argv: Sequence[str]) -> None:
         root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program,
                                             getter=lambda env: get_megatron_lm(env, allow_clone=False),
                                             release=known.megatron_lm_release)
+        if before_megatron_import is not None:
+            before_megatron_import(LaunchPlan(root, program, []))
         import_megatron_training(root)
     except ValueError as err:
         print(f"\n(Megatron-LM's own flags are not shown: {err})")
@@ -296,7 +298,7 @@ def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], No
           before_megatron_import: Optional[Callable[[LaunchPlan], None]] = None) -> int:
     known, _ = _launcher_parser().parse_known_args(argv)
     if known.help:
-        _print_help(argv)
+        _print_help(argv, before_megatron_import)
         return 0
     plan = parse_launch_args(argv)
     check_cuda()
