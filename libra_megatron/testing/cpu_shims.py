@@ -31,7 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["apply_megatron_cpu_shims", "emulate_cuda_on_cpu", "cuda_is_emulated", "main",
-           "allow_megatron_lm_0_17_on_python_3_11", "put_megatron_lm_tree_first"]
+           "allow_megatron_lm_0_17_on_python_3_11", "put_megatron_lm_tree_first", "use_installed_dataset_helpers"]
 
 _REAL_CUDA_AVAILABLE = torch.cuda.is_available
 _ROPE_MODULES = (
@@ -320,7 +320,7 @@ def _skip_fused_kernel_build() -> None:
     fused_kernels.load = _returning(None)
 
 
-def _use_installed_dataset_helpers() -> None:
+def use_installed_dataset_helpers() -> None:
     """Megatron-LM compiles ``helpers.cpp`` at start-up with make, pybind11 and whatever ``python3-config`` is on
     PATH (here: another Python's suffix, and no pybind11); the pinned megatron-core 0.16.1 wheel ships the file
     compiled. The build is reused only when the imported ``megatron.core``'s ``helpers.cpp`` is byte-identical
@@ -348,7 +348,7 @@ def _use_installed_dataset_helpers() -> None:
 def _on_megatron_ready(plan: Any) -> None:
     """Launcher callback: Megatron-LM is importable and patched; apply the shims that import megatron."""
     _skip_fused_kernel_build()
-    _use_installed_dataset_helpers()
+    use_installed_dataset_helpers()
     apply_megatron_cpu_shims()
 
 

@@ -68,8 +68,15 @@ def megatron_lm_path(release: str = MEGATRON_LM_TAG) -> str:
 
 
 def active_release() -> str:
-    """The release the in-process tests use now (``MEGATRON_LM_TAG`` until a fixture selects another)."""
-    return _ACTIVE["release"] or MEGATRON_LM_TAG
+    """The release the in-process tests use now: the fixture's; in a worker process the release of its
+    ``$MEGATRON_LM_PATH`` tree; else ``MEGATRON_LM_TAG``."""
+    if _ACTIVE["release"]:
+        return _ACTIVE["release"]
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if path:
+        line = release_line(tree_version(path))
+        return next((tag for tag in RELEASES if release_line(tag) == line), MEGATRON_LM_TAG)
+    return MEGATRON_LM_TAG
 
 
 def tiny_model_args(release: Optional[str] = None) -> list:
@@ -103,7 +110,13 @@ def put_megatron_lm_on_path(path: Optional[str] = None) -> None:
 
     path = path or os.environ.get("MEGATRON_LM_PATH") or megatron_lm_path(active_release())
     allow_megatron_lm_0_17_on_python_3_11()
-    if not put_megatron_lm_tree_first(path) and path not in sys.path:
+    if put_megatron_lm_tree_first(path):
+        core = sys.modules.get("megatron.core")
+        if core is not None and not str(getattr(core, "__file__", "")).startswith(str(path)):
+            # a worker forked from a server that preloaded the installed megatron-core: drop it
+            for name in [name for name in sys.modules if _is_megatron_module(name)]:
+                del sys.modules[name]
+    elif path not in sys.path:
         sys.path.append(path)
 
 
