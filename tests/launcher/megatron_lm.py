@@ -87,6 +87,13 @@ def tiny_model_args(release: Optional[str] = None) -> list:
     return args
 
 
+def release_config_args(release: Optional[str] = None) -> list:
+    """What a user of ``release`` adds after a shipped run config (configs/common/core_v0.19.args from 0.19 on)."""
+    if release_line(release or active_release()) == "0.16":
+        return []
+    return ["--megatron-args-file", str(REPO / "configs" / "common" / "core_v0.19.args")]
+
+
 # A tiny Qwen3-shaped model: RoPE, qk-layernorm, GQA, RMSNorm, SwiGLU, no bias, untied embeddings.
 TINY_MODEL_ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
