@@ -287,6 +287,11 @@ def allow_megatron_lm_0_17_on_python_3_11() -> None:
         import typing_extensions
 
         typing.override = typing_extensions.override
+        # processes Megatron-LM spawns (core_v0.19's checkpoint writer) re-import pretrain_gpt.py first
+        site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py311_site")
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if site not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([site] + paths)
 
 
 def put_megatron_lm_tree_first(megatron_lm_path: Any) -> bool:

@@ -6,7 +6,8 @@ the linux-6.12 trace shipped in data/traces (median 367 tokens, max 41,356: seve
 per 1024-token sequence, a few sequences inside one long document); tokens are synthetic. Model: the tiny
 Qwen3-shaped GPT of ``configs/cpu/tiny-qwen3.args``. Four iterations of GBS=8 sequences, L=1024.
 
-Five runs, shared by the tests (about two minutes on two cores):
+Five runs per Megatron-LM release (core_v0.16.1, core_v0.19.0; the corpus is shared), shared by the tests
+(about two minutes per release on two cores):
 
 * DP=4, P=2, Libra (VRSP + TAP), ``--save`` every 2 iterations, TensorBoard;
 * DP=4, plain Megatron-LM: no ``--spec``/``--libra-*`` flags, ``--reset-attention-mask`` (Megatron's dense
@@ -41,14 +42,21 @@ LIBRA_SCALARS = ("libra/inter_pool_r1_before", "libra/inter_pool_r1_after", "lib
                  "libra/planner_latency_s")
 
 
-@pytest.fixture(scope="module")
-def common(tmp_path_factory):
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The skewed-length corpus, built once for both releases: (folder, .bin/.idx prefix)."""
     from libra_megatron.megatron.corpus import build_indexed_dataset_from_trace
 
     folder = tmp_path_factory.mktemp("corpus")
     trace = REPO / "data" / "traces" / "linux-6.12-files.qwen.txt"
     build_indexed_dataset_from_trace(trace, str(folder / "linux"), vocab_size=256, eod=255, max_docs=400)
-    return common_flags(str(folder / "linux"), str(folder / "index-cache"))
+    return folder, str(folder / "linux")
+
+
+@pytest.fixture(scope="module")
+def common(corpus, megatron_lm_release):
+    folder, prefix = corpus
+    return common_flags(prefix, str(folder / f"index-cache-{megatron_lm_release}"), megatron_lm_release)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +82,11 @@ def cp2(common, megatron_lm_path, tmp_path_factory):
     return {"libra": libra, "reference": reference}
 
 
+def _print_losses(name, run):
+    """The printed lm loss per iteration (docs/launcher.md quotes these lines)."""
+    print(f"\n{name}: printed lm loss " + " / ".join(run.printed[it]["lm loss"] for it in sorted(run.printed)))
+
+
 def _assert_parity(name, run, reference):
     """Printed lm loss per iteration (same start iteration, same print quirk) and TensorBoard's full-precision
     lm loss and grad norm (Megatron prints the grad norm with 3 decimals) within 1e-4 relative."""
@@ -89,8 +102,10 @@ def _assert_parity(name, run, reference):
     assert printed <= TOLERANCE and loss <= TOLERANCE and grad_norm <= TOLERANCE
 
 
-def test_dp4_pool2_libra_matches_plain_megatron_lm_per_iteration(dp4):
-    _assert_parity("DP=4 P=2 Libra vs plain Megatron-LM", dp4["libra"], dp4["plain"])
+def test_dp4_pool2_libra_matches_plain_megatron_lm_per_iteration(dp4, megatron_lm_release):
+    for name in ("libra", "plain", "resumed"):
+        _print_losses(f"{megatron_lm_release} DP=4 {name}", dp4[name])
+    _assert_parity(f"{megatron_lm_release} DP=4 P=2 Libra vs plain Megatron-LM", dp4["libra"], dp4["plain"])
     losses = [dp4["plain"].scalars["lm loss"][it] for it in ITERATIONS]
     assert len(set(losses)) == TRAIN_ITERS  # the model trains: every iteration has its own loss
 
