@@ -49,6 +49,8 @@ from .megatron_lm import (
     check_release_pairing,
     get_megatron_lm,
     missing_package_error,
+    release_line,
+    tree_version,
 )
 
 __all__ = ["LaunchPlan", "parse_launch_args", "expand_args_files", "resolve_megatron_lm", "import_patches",
@@ -181,6 +183,10 @@ def resolve_megatron_lm(flag_value: Optional[str], program: str, environ: Option
     else:
         environ = os.environ if environ is None else environ
         root = Path(getter(environ) if release is None else getter(dict(environ, **{ENV_MEGATRON_LM_RELEASE: release})))
+    if release is not None and release_line(tree_version(root)) != release_line(release):
+        raise ValueError(f"--megatron-lm-release {release}, but the Megatron-LM tree {root} (from "
+                         f"{'--megatron-lm-path' if flag_value else '$' + ENV_MEGATRON_LM_PATH}) is version "
+                         f"{tree_version(root)}; drop one of them")
     program_path = root / program
     if not program_path.is_file():
         raise ValueError(f"--megatron-program {program}: {program_path} does not exist")

@@ -24,8 +24,9 @@ Megatron-LM's Python dependencies are the ``megatron-lm`` extra of ``setup.py`` 
 ``scripts/setup_env.sh``). ``missing_package_error`` turns the ``ModuleNotFoundError`` of an import of
 Megatron-LM into a ``MegatronLMDependencyMissing`` that names the package to install.
 
-Command line (for shell scripts): ``python -m libra_megatron.megatron_lm [--megatron-lm-release TAG]`` prints
-the path.
+Command line: ``python -m libra_megatron.megatron_lm [--megatron-lm-release TAG]`` prints the path; the scripts
+run ``python -m libra_megatron.megatron_lm --from-launcher-args <their command line>`` (only its
+``--megatron-lm-release`` is read).
 Pure Python: this module locates files and never imports megatron.
 """
 from __future__ import annotations
@@ -266,13 +267,23 @@ def _main(argv: List[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    release = None
-    if argv and argv[0].startswith("--megatron-lm-release"):
-        release = argv[0].split("=", 1)[1] if "=" in argv[0] else (argv[1] if len(argv) > 1 else "")
-        if not release:
-            raise ValueError("--megatron-lm-release needs a tag: " + ", ".join(RELEASES))
-    print(get_megatron_lm(release=release))
+    if argv[:1] == ["--from-launcher-args"]:  # the scripts: their whole command line follows
+        argv = argv[1:]
+    print(get_megatron_lm(release=release_flag(argv)))
     return 0
+
+
+def release_flag(argv: List[str]) -> Optional[str]:
+    """The value of ``--megatron-lm-release TAG`` / ``=TAG`` anywhere in ``argv`` (a launcher command line), or
+    None; the scripts hand their whole command line to ``python -m libra_megatron.megatron_lm``."""
+    for i, token in enumerate(argv):
+        if token == "--megatron-lm-release":
+            if i + 1 >= len(argv):
+                raise ValueError("--megatron-lm-release needs a tag: " + ", ".join(RELEASES))
+            return argv[i + 1]
+        if token.startswith("--megatron-lm-release="):
+            return token.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":
