@@ -9,9 +9,12 @@ What it does, in order, all before ``torch.distributed`` is initialised:
    to the repository root). Every other flag (``--data-path``, ``--save``, ...) is passed on unchanged, so
    relative paths resolve against the working directory, as with ``pretrain_gpt.py`` itself;
 2. finds Megatron-LM: ``--megatron-lm-path``, else ``libra_megatron.megatron_lm.get_megatron_lm()``
-   (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone);
+   (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone) of the
+   release ``--megatron-lm-release`` selects (core_v0.16.1 or core_v0.19.0; see that module);
 3. checks that CUDA is available (the CPU test harness, ``scripts/cpu_pretrain.sh``, emulates it);
-4. imports Megatron-LM's training package (a missing Python package is named, with its pip command);
+4. puts the tree on sys.path (after an installed megatron-core, which is then the one used), checks that the
+   imported megatron-core and the tree are the same release line, and imports Megatron-LM's training
+   package (a missing Python package is named, with its pip command);
 5. parses the command line with Megatron-LM's own ``parse_args`` (with the ``--libra-*`` flags) and runs
    every Libra start-up check on what Megatron will use, defaults included
    (``libra_megatron.megatron.hooks.validate_run``);
@@ -183,10 +186,11 @@ def resolve_megatron_lm(flag_value: Optional[str], program: str, environ: Option
     else:
         environ = os.environ if environ is None else environ
         root = Path(getter(environ) if release is None else getter(dict(environ, **{ENV_MEGATRON_LM_RELEASE: release})))
-    if release is not None and release_line(tree_version(root)) != release_line(release):
+    version = tree_version(root)
+    if release is not None and (version is None or release_line(version) != release_line(release)):
         raise ValueError(f"--megatron-lm-release {release}, but the Megatron-LM tree {root} (from "
                          f"{'--megatron-lm-path' if flag_value else '$' + ENV_MEGATRON_LM_PATH}) is version "
-                         f"{tree_version(root)}; drop one of them")
+                         f"{version or 'unknown (no megatron/core/package_info.py)'}; drop one of them")
     program_path = root / program
     if not program_path.is_file():
         raise ValueError(f"--megatron-program {program}: {program_path} does not exist")

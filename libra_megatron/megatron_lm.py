@@ -119,9 +119,13 @@ def select_release(release: Optional[str] = None, environ: Optional[dict] = None
     return chosen
 
 
-def tree_version(root: Path) -> str:
-    """The version a Megatron-LM tree declares in ``megatron/core/package_info.py`` (read, not imported)."""
-    text = (Path(root) / "megatron" / "core" / "package_info.py").read_text(encoding="utf-8")
+def tree_version(root: Path) -> Optional[str]:
+    """The version a Megatron-LM tree declares in ``megatron/core/package_info.py`` (read, not imported);
+    None when the tree has no such file (then there is nothing to pair or select by)."""
+    info = Path(root) / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        return None
+    text = info.read_text(encoding="utf-8")
     parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
     if not all(parts):
         raise MegatronLMNotFound(f"{root}/megatron/core/package_info.py declares no MAJOR/MINOR/PATCH version")
@@ -137,7 +141,7 @@ def check_release_pairing(core_version: str, core_file: str, root: Path) -> None
     the tree at ``root`` are the same major.minor (which lines are supported is ``patches/_base.py``'s check)."""
     tree = tree_version(root)
     supported = {release_line(tag): tag for tag in RELEASES}
-    if release_line(core_version) != release_line(tree):
+    if tree is not None and release_line(core_version) != release_line(tree):
         raise MegatronLMMismatch(
             f"megatron-core {core_version} ({core_file}) does not pair with the Megatron-LM tree {root} (version "
             f"{tree}): install megatron-core {release_line(tree)}.x, or use the tree of release "

@@ -306,7 +306,8 @@ def put_megatron_lm_tree_first(megatron_lm_path: Any) -> bool:
         installed = metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         installed = None
-    if installed is not None and release_line(installed) == release_line(tree_version(megatron_lm_path)):
+    tree = tree_version(megatron_lm_path)
+    if tree is None or (installed is not None and release_line(installed) == release_line(tree)):
         return False
     path = str(megatron_lm_path)
     if path in sys.path:

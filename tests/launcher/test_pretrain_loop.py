@@ -9,7 +9,8 @@ Qwen3-shaped GPT of ``configs/cpu/tiny-qwen3.args``. Four iterations of GBS=8 se
 Five runs per Megatron-LM release (core_v0.16.1, core_v0.19.0; the corpus is shared), shared by the tests
 (about two minutes per release on two cores):
 
-* DP=4, P=2, Libra (VRSP + TAP), ``--save`` every 2 iterations, TensorBoard;
+* DP=4, P=2, Libra (VRSP + TAP), ``--save`` every 2 iterations, TensorBoard, started with
+  ``scripts/cpu_pretrain.sh``;
 * DP=4, plain Megatron-LM: no ``--spec``/``--libra-*`` flags, ``--reset-attention-mask`` (Megatron's dense
   per-document causal mask), started with ``scripts/cpu_pretrain.sh --without-libra``;
 * DP=4, Libra resumed with ``--load`` from iteration 2 of the first run;
@@ -64,7 +65,7 @@ def dp4(common, megatron_lm_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp4")
     checkpoint = str(root / "checkpoint")
     libra = run_pretrain(4, common + LIBRA_FLAGS + ["--save", checkpoint, "--save-interval", "2"],
-                         root / "libra", megatron_lm_path).check()
+                         root / "libra", megatron_lm_path, via_script=True).check()
     plain = run_pretrain(4, common + ["--reset-attention-mask"], root / "plain", megatron_lm_path,
                          via_script=True, without_libra=True).check()
     resumed = run_pretrain(4, common + LIBRA_FLAGS + ["--load", checkpoint, "--ckpt-step", "2"],
