@@ -9,10 +9,13 @@ What it does, in order, all before ``torch.distributed`` is initialised:
    to the repository root). Every other flag (``--data-path``, ``--save``, ...) is passed on unchanged, so
    relative paths resolve against the working directory, as with ``pretrain_gpt.py`` itself;
 2. finds Megatron-LM: ``--megatron-lm-path``, else ``libra_megatron.megatron_lm.get_megatron_lm()``
-   (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone);
+   (``MEGATRON_LM_PATH``, the repository cache, the archive beside the checkout, a shallow clone) of the
+   release ``--megatron-lm-release`` selects (core_v0.16.1 or core_v0.19.0; see that module);
 3. checks that CUDA is available (the CPU test harness, ``scripts/cpu_pretrain.sh``, emulates it); with
    ``--check-only`` and no GPU visible it goes on and says that CUDA was not checked;
-4. imports Megatron-LM's training package (a missing Python package is named, with its pip command);
+4. puts the tree on sys.path (after an installed megatron-core, which is then the one used), checks that the
+   imported megatron-core and the tree are the same release line, and imports Megatron-LM's training
+   package (a missing Python package is named, with its pip command);
 5. parses the command line with Megatron-LM's own ``parse_args`` (with the ``--libra-*`` flags) and runs
    every Libra start-up check on what Megatron will use, defaults included
    (``libra_megatron.megatron.hooks.validate_run``), then what Megatron-LM would reject later: its own
@@ -46,7 +49,17 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .cli import add_debug_argument, run_cli
-from .megatron_lm import ENV_MEGATRON_LM_PATH, get_megatron_lm, missing_package_error
+from .megatron_lm import (
+    ENV_MEGATRON_LM_PATH,
+    ENV_MEGATRON_LM_RELEASE,
+    MEGATRON_LM_TAG,
+    RELEASES,
+    check_release_pairing,
+    get_megatron_lm,
+    missing_package_error,
+    release_line,
+    tree_version,
+)
 
 __all__ = ["LaunchPlan", "parse_launch_args", "expand_args_files", "resolve_megatron_lm", "import_patches",
            "import_megatron_training", "check_cuda",
@@ -74,9 +87,13 @@ def _launcher_parser() -> argparse.ArgumentParser:
     parser.add_argument("-h", "--help", action="store_true",
                         help="show this help, then Megatron-LM's (with the --libra-* flags) when it is found")
     parser.add_argument("--megatron-lm-path", default=None,
-                        help=f"Megatron-LM checkout (tag core_v0.16.x); default: ${ENV_MEGATRON_LM_PATH}, else the "
-                             f"repository cache / the archive beside the checkout / a shallow clone "
-                             f"(libra_megatron.megatron_lm)")
+                        help=f"Megatron-LM checkout (tag {' or '.join(RELEASES)}); default: ${ENV_MEGATRON_LM_PATH}, "
+                             f"else the repository cache / the archive beside the checkout / a shallow clone "
+                             f"(libra_megatron.megatron_lm) of --megatron-lm-release")
+    parser.add_argument("--megatron-lm-release", default=None, choices=RELEASES,
+                        help=f"which release the getter provides when no path is given; default: "
+                             f"${ENV_MEGATRON_LM_RELEASE}, else the one pairing with the installed megatron-core, "
+                             f"else {MEGATRON_LM_TAG}")
     parser.add_argument("--megatron-program", default="pretrain_gpt.py",
                         help="program inside Megatron-LM to run (default pretrain_gpt.py)")
     parser.add_argument("--megatron-args-file", action="append", default=[],
@@ -167,16 +184,23 @@ def _against(folder: Path, value: str) -> str:
 
 # ---------------------------------------------------------------------------------------- Megatron-LM
 def resolve_megatron_lm(flag_value: Optional[str], program: str, environ: Optional[dict] = None,
-                        getter: Callable[..., Path] = get_megatron_lm) -> tuple:
+                        getter: Callable[..., Path] = get_megatron_lm, release: Optional[str] = None) -> tuple:
     """(Megatron-LM root, program path): ``--megatron-lm-path`` if given, else ``getter(environ)``
-    (the one getter: ``$MEGATRON_LM_PATH``, the cache, the archive, a clone). ValueError naming the source."""
+    (the one getter: ``$MEGATRON_LM_PATH``, the cache, the archive, a clone) of ``release``
+    (``--megatron-lm-release``; None: the getter's choice). ValueError naming the source."""
     if flag_value:
         root = Path(flag_value).expanduser().resolve()
         if not (root / "megatron" / "training").is_dir():
             raise ValueError(f"--megatron-lm-path={flag_value}: {root}/megatron/training does not exist; "
                              f"not a Megatron-LM checkout")
     else:
-        root = Path(getter(os.environ if environ is None else environ))
+        environ = os.environ if environ is None else environ
+        root = Path(getter(environ) if release is None else getter(dict(environ, **{ENV_MEGATRON_LM_RELEASE: release})))
+    version = tree_version(root)
+    if release is not None and (version is None or release_line(version) != release_line(release)):
+        raise ValueError(f"--megatron-lm-release {release}, but the Megatron-LM tree {root} (from "
+                         f"{'--megatron-lm-path' if flag_value else '$' + ENV_MEGATRON_LM_PATH}) is version "
+                         f"{version or 'unknown (no megatron/core/package_info.py)'}; drop one of them")
     program_path = root / program
     if not program_path.is_file():
         raise ValueError(f"--megatron-program {program}: {program_path} does not exist")
@@ -187,21 +211,41 @@ def parse_launch_args(argv: Sequence[str], environ: Optional[dict] = None,
                       getter: Callable[..., Path] = get_megatron_lm) -> LaunchPlan:
     """Split ``argv`` into launcher flags and the Megatron command line."""
     known, rest = _launcher_parser().parse_known_args(expand_args_files(argv))
-    root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program, environ, getter)
+    root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program, environ, getter,
+                                        known.megatron_lm_release)
     return LaunchPlan(megatron_lm_path=root, program=program, megatron_argv=list(rest))
 
 
-def _put_first_on_path(path: Path) -> None:
+def _put_on_path(path: Path) -> None:
+    """The tree on sys.path, where it is already or else: after site-packages when megatron-core is installed
+    (the installed megatron-core is used, e.g. 0.19.2 from the package index on Python 3.12+), first when not
+    (the tree's own ``megatron/core``)."""
     text = str(path)
     if text in sys.path:
-        sys.path.remove(text)
-    sys.path.insert(0, text)
+        return
+    if _megatron_core_importable():
+        sys.path.append(text)
+    else:
+        sys.path.insert(0, text)
+
+
+def _megatron_core_importable() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no "megatron" package at all
+        return False
 
 
 def import_megatron_training(megatron_lm_path: Path) -> None:
-    """Megatron-LM first on sys.path, then import its training package by name (the launcher only checks that
-    it imports; ``libra_megatron.megatron`` and the patch points use it); a missing package is named."""
-    _put_first_on_path(Path(megatron_lm_path))
+    """Megatron-LM on sys.path (``_put_on_path``), the pairing of the imported megatron-core with the tree
+    checked, then its training package imported by name (the launcher only checks that it imports;
+    ``libra_megatron.megatron`` and the patch points use it); a missing package is named."""
+    _put_on_path(Path(megatron_lm_path))
+    try:
+        core = importlib.import_module("megatron.core")
+    except ModuleNotFoundError as err:
+        raise missing_package_error(err, f"Megatron-LM ({megatron_lm_path})") from err
+    check_release_pairing(core.__version__, getattr(core, "__file__", "?"), Path(megatron_lm_path))
     for name in ("megatron.training.arguments", "megatron.training.training"):
         try:
             importlib.import_module(name)
@@ -262,13 +306,16 @@ def install_hooks(megatron_lm_path: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- help
-def _print_help(argv: Sequence[str]) -> None:
+def _print_help(argv: Sequence[str], before_megatron_import: Optional[Callable[[LaunchPlan], None]] = None) -> None:
     """The launcher's help, then Megatron-LM's with --libra-* (never clones; a note if it cannot be found)."""
     _launcher_parser().print_help()
     try:
         known, _ = _launcher_parser().parse_known_args(expand_args_files(argv))
         root, program = resolve_megatron_lm(known.megatron_lm_path, known.megatron_program,
-                                            getter=lambda env: get_megatron_lm(env, allow_clone=False))
+                                            getter=lambda env: get_megatron_lm(env, allow_clone=False),
+                                            release=known.megatron_lm_release)
+        if before_megatron_import is not None:
+            before_megatron_import(LaunchPlan(root, program, []))
         import_megatron_training(root)
     except ValueError as err:
         print(f"\n(Megatron-LM's own flags are not shown: {err})")
@@ -280,10 +327,11 @@ def _print_help(argv: Sequence[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
-def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], None]]) -> int:
+def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], None]],
+          before_megatron_import: Optional[Callable[[LaunchPlan], None]] = None) -> int:
     known, _ = _launcher_parser().parse_known_args(argv)
     if known.help:
-        _print_help(argv)
+        _print_help(argv, before_megatron_import)
         return 0
     plan = parse_launch_args(argv)
     capability = None  # None: validate_args asks the GPU
@@ -291,6 +339,8 @@ def _main(argv: List[str], on_megatron_ready: Optional[Callable[[LaunchPlan], No
         check_cuda()
     elif not cuda_visible():
         capability = parse_device_capability(known.check_device_capability)
+    if before_megatron_import is not None:
+        before_megatron_import(plan)
     import_megatron_training(plan.megatron_lm_path)
     from .megatron.args import parse_megatron_args
     from .megatron.hooks import validate_run
@@ -337,14 +387,16 @@ def run_program(plan: LaunchPlan) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None, *,
-         on_megatron_ready: Optional[Callable[[LaunchPlan], None]] = None) -> None:
+         on_megatron_ready: Optional[Callable[[LaunchPlan], None]] = None,
+         before_megatron_import: Optional[Callable[[LaunchPlan], None]] = None) -> None:
     """Entry point of ``python -m libra_megatron.launch`` and ``scripts/pretrain_gpt_libra.py``.
 
-    ``on_megatron_ready(plan)`` runs after the patch points are installed and before the program (the CPU
-    test harness applies its Megatron-level shims there).
+    ``before_megatron_import(plan)`` runs before Megatron-LM is imported and ``on_megatron_ready(plan)`` after
+    the patch points are installed, before the program (the CPU test harness sets up its imports and applies
+    its Megatron-level shims there).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    run_cli(TOOL, lambda a: _main(a, on_megatron_ready), args)
+    run_cli(TOOL, lambda a: _main(a, on_megatron_ready, before_megatron_import), args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Patch points that attach Libra to an unmodified Megatron-LM (tag core_v0.16.x) — no fork.
+"""Patch points that attach Libra to an unmodified Megatron-LM (tags core_v0.16.x and core_v0.19.x) — no fork.
 
 Each patch point is its own module with the ``TargetSpec`` it verifies before replacing anything (see
 ``_base.py``): a Megatron-LM whose target changed fails loudly at start-up with ``PatchTargetChanged``.

@@ -2,7 +2,9 @@
 
 A patch point replaces one named attribute of a Megatron-LM module (a function such as
 ``megatron.training.arguments.parse_args``) with a wrapper. Before anything is replaced the target is
-verified against what we read in Megatron-LM ``core_v0.16.1``:
+verified against what we read in the running release (``RELEASE_TAGS``: core_v0.16.1 and core_v0.19.0; each
+patch module keeps one ``TargetSpec`` per release line, chosen by ``spec_for`` from the imported
+megatron-core's version):
 
 * the module imports and the attribute exists and is callable;
 * its parameter names, in order, are exactly the expected ones;
@@ -10,7 +12,7 @@ verified against what we read in Megatron-LM ``core_v0.16.1``:
   wrapper depends on (for example that ``training.py`` from-imports ``build_pretraining_data_loader``).
 
 Any mismatch raises ``PatchTargetChanged`` naming the target, what we expected, what we found and the
-version we support, so an upgraded Megatron-LM fails at start-up instead of silently training without
+release it was verified against, so an upgraded Megatron-LM fails at start-up instead of silently training without
 Libra. There is no switch to skip the checks: a changed target needs a reviewed patch. A target module that
 cannot be imported because a *third-party* package is missing is not a changed target: that raises
 ``MegatronLMDependencyMissing`` naming the package (``libra_megatron.megatron_lm.missing_package_error``).
@@ -20,26 +22,29 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from libra_megatron.megatron_lm import missing_package_error
+from libra_megatron.megatron_lm import RELEASES, missing_package_error, release_line
 
 __all__ = [
     "PatchTargetChanged",
-    "SUPPORTED_MEGATRON_CORE",
+    "RELEASE_TAGS",
     "TargetSpec",
     "Patcher",
+    "active_release",
     "check_megatron_core_version",
+    "spec_for",
+    "per_release",
     "resolve_target",
     "require_source_fragments",
 ]
 
-SUPPORTED_MEGATRON_CORE = "0.16."
-"""Version prefix of megatron-core (and the Megatron-LM tag core_v0.16.x) every patch was written for."""
+RELEASE_TAGS = {release_line(tag): tag for tag in RELEASES}
+"""Release line ("0.16", "0.19") -> the Megatron-LM tag every patch point was verified against."""
 
 
 class PatchTargetChanged(RuntimeError):
-    """A Megatron-LM function we patch is missing or no longer looks like core_v0.16.x."""
+    """A Megatron-LM function we patch is missing or no longer looks like the release it was verified on."""
 
 
 @dataclass(frozen=True)
@@ -54,20 +59,49 @@ class TargetSpec:
     attr: str
     params: Tuple[str, ...]
     source_fragments: Tuple[str, ...] = ()
+    release: str = "0.16"  # the release line this spec was read from (named in every error)
 
     @property
     def qualname(self) -> str:
         return f"{self.module}.{self.attr}"
 
+    @property
+    def tag(self) -> str:
+        return RELEASE_TAGS.get(self.release, f"core_v{self.release}")
+
+
+def per_release(module: str, attr: str, params: Tuple[str, ...], source_fragments: Tuple[str, ...] = (),
+                lines: Tuple[str, ...] = tuple(RELEASE_TAGS)) -> Dict[str, TargetSpec]:
+    """One ``TargetSpec`` per release line in ``lines``, for a target that reads the same in each of them."""
+    return {line: TargetSpec(module, attr, params, source_fragments, line) for line in lines}
+
 
 def check_megatron_core_version(version: str) -> None:
-    """Raise ``PatchTargetChanged`` unless ``version`` is a megatron-core 0.16.x version string."""
-    if not str(version).startswith(SUPPORTED_MEGATRON_CORE):
+    """Raise ``PatchTargetChanged`` unless ``version`` is a megatron-core version of a supported release line."""
+    if release_line(version) not in RELEASE_TAGS:
+        lines = ", ".join(f"{line}.x (Megatron-LM tag {tag})" for line, tag in RELEASE_TAGS.items())
         raise PatchTargetChanged(
             f"megatron-core {version} is installed, but the Libra patch points were written and verified "
-            f"against {SUPPORTED_MEGATRON_CORE}x (Megatron-LM tag core_v0.16.1); re-verify every target "
-            f"listed in patches/__init__.py:PATCH_POINTS before using another version"
+            f"against {lines}; re-verify every target listed in patches/__init__.py:PATCH_POINTS before "
+            f"using another version"
         )
+
+
+def active_release() -> str:
+    """The release line of the imported megatron-core (``"0.16"`` / ``"0.19"``); PatchTargetChanged if other."""
+    import megatron.core
+
+    check_megatron_core_version(megatron.core.__version__)
+    return release_line(megatron.core.__version__)
+
+
+def spec_for(specs: Mapping[str, Any], release: Optional[str] = None) -> Any:
+    """``specs[release]`` (default: ``active_release()``): the per-release table entry of a patch point."""
+    release = active_release() if release is None else release
+    if release not in specs:
+        raise PatchTargetChanged(f"no verified patch target for Megatron-LM {RELEASE_TAGS.get(release, release)} "
+                                 f"in this table (verified: {', '.join(RELEASE_TAGS[r] for r in specs)})")
+    return specs[release]
 
 
 def resolve_target(spec: TargetSpec) -> Callable[..., Any]:
@@ -84,10 +118,10 @@ def resolve_target(spec: TargetSpec) -> Callable[..., Any]:
     if target is None or not callable(target):
         raise PatchTargetChanged(
             f"patch target {spec.qualname} does not exist (or is not callable) in this Megatron-LM; "
-            f"it exists in core_v0.16.1"
+            f"it exists in {spec.tag}"
         )
     _require_params(spec, inspect.unwrap(target))
-    require_source_fragments(spec.qualname, inspect.unwrap(target), spec.source_fragments)
+    require_source_fragments(spec.qualname, inspect.unwrap(target), spec.source_fragments, spec.tag)
     return target
 
 
@@ -100,11 +134,11 @@ def _require_params(spec: TargetSpec, target: Callable[..., Any]) -> None:
     if found != spec.params:
         raise PatchTargetChanged(
             f"patch target {spec.qualname} changed its signature: expected parameters {list(spec.params)} "
-            f"(core_v0.16.1), found {list(found)}"
+            f"({spec.tag}), found {list(found)}"
         )
 
 
-def require_source_fragments(where: str, obj: Any, fragments: Tuple[str, ...]) -> None:
+def require_source_fragments(where: str, obj: Any, fragments: Tuple[str, ...], tag: str) -> None:
     """Raise ``PatchTargetChanged`` unless every fragment occurs in the source of ``obj``."""
     if not fragments:
         return
@@ -115,7 +149,7 @@ def require_source_fragments(where: str, obj: Any, fragments: Tuple[str, ...]) -
     missing = [frag for frag in fragments if frag not in source]
     if missing:
         raise PatchTargetChanged(
-            f"patch target {where} no longer matches core_v0.16.1: its source lacks {missing}; "
+            f"patch target {where} no longer matches {tag}: its source lacks {missing}; "
             f"the Libra patch relies on that code"
         )
 

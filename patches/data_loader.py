@@ -12,29 +12,29 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ._base import Patcher, TargetSpec, require_source_fragments, resolve_target
+from ._base import Patcher, per_release, require_source_fragments, resolve_target, spec_for
 
 __all__ = ["BUILD_LOADER", "TRAINING_IMPORT", "install"]
 
-BUILD_LOADER = TargetSpec(
-    module="megatron.training.datasets.data_samplers",
-    attr="build_pretraining_data_loader",
-    params=("dataset", "consumed_samples"),
-    source_fragments=("MegatronPretrainingSampler(", "args.dataloader_type == 'cyclic'"),
-)
+BUILD_LOADER = per_release("megatron.training.datasets.data_samplers", "build_pretraining_data_loader",
+                           ("dataset", "consumed_samples"),
+                           ("MegatronPretrainingSampler(", "args.dataloader_type == 'cyclic'"))
+"""Same in core_v0.16.1 and core_v0.19.0."""
 TRAINING_IMPORT = "from megatron.training.datasets.data_samplers import build_pretraining_data_loader"
 TRAINING_CALL = "build_pretraining_data_loader(train_ds, "
 
 
 def install(patcher: Patcher, build_loader: Callable[[Any, int], Any]) -> None:
     """Route ``build_pretraining_data_loader(dataset, consumed_samples)`` to ``build_loader``."""
-    resolve_target(BUILD_LOADER)
+    spec = spec_for(BUILD_LOADER)
+    resolve_target(spec)
     import megatron.training.training as training_module
 
-    require_source_fragments("megatron.training.training", training_module, (TRAINING_IMPORT, TRAINING_CALL))
+    require_source_fragments("megatron.training.training", training_module, (TRAINING_IMPORT, TRAINING_CALL),
+                             spec.tag)
 
     def build_pretraining_data_loader(dataset, consumed_samples):
         return build_loader(dataset, consumed_samples)
 
-    patcher.replace(BUILD_LOADER.module, "build_pretraining_data_loader", build_pretraining_data_loader)
+    patcher.replace(spec.module, "build_pretraining_data_loader", build_pretraining_data_loader)
     patcher.replace("megatron.training.training", "build_pretraining_data_loader", build_pretraining_data_loader)

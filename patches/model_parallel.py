@@ -12,43 +12,55 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._base import Patcher, TargetSpec, resolve_target
+from ._base import Patcher, TargetSpec, per_release, resolve_target, spec_for
 
 __all__ = ["INITIALIZE_MODEL_PARALLEL", "DESTROY_MODEL_PARALLEL", "CALLER", "install"]
 
-INITIALIZE_MODEL_PARALLEL = TargetSpec(
-    module="megatron.core.parallel_state",
-    attr="initialize_model_parallel",
-    params=(
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "pipeline_model_parallel_comm_backend", "use_sharp", "context_parallel_size",
-        "hierarchical_context_parallel_sizes", "hybrid_context_parallel", "expert_model_parallel_size",
-        "num_distributed_optimizer_instances", "expert_tensor_parallel_size",
-        "nccl_communicator_config_path", "distributed_timeout_minutes", "order", "get_embedding_ranks",
-        "get_position_embedding_ranks", "create_gloo_process_groups", "high_priority_stream_groups",
-        "sharp_enabled_group", "create_all_gather_group",
-    ),
-    source_fragments=('order: str = "tp-cp-ep-dp-pp"',),
+_INIT_PARAMS_016 = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "pipeline_model_parallel_comm_backend", "use_sharp", "context_parallel_size",
+    "hierarchical_context_parallel_sizes", "hybrid_context_parallel", "expert_model_parallel_size",
+    "num_distributed_optimizer_instances", "expert_tensor_parallel_size",
+    "nccl_communicator_config_path", "distributed_timeout_minutes", "order", "get_embedding_ranks",
+    "get_position_embedding_ranks", "create_gloo_process_groups", "high_priority_stream_groups",
+    "sharp_enabled_group", "create_all_gather_group",
 )
-DESTROY_MODEL_PARALLEL = TargetSpec(
-    module="megatron.core.parallel_state", attr="destroy_model_parallel", params=()
+_INIT_PARAMS_019 = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "pipeline_model_parallel_comm_backend", "use_sharp", "context_parallel_size",
+    "hierarchical_context_parallel_sizes", "hybrid_context_parallel", "expert_model_parallel_size",
+    "gtp_remat_size", "expert_gtp_remat_size", "num_distributed_optimizer_instances",
+    "expert_tensor_parallel_size", "nccl_communicator_config_path", "distributed_timeout_minutes", "order",
+    "get_embedding_ranks", "get_position_embedding_ranks", "create_gloo_process_groups",
+    "high_priority_stream_groups", "sharp_enabled_group", "rank_offset", "local_world_size",
 )
-CALLER = TargetSpec(
-    module="megatron.training.initialize",
-    attr="_initialize_distributed",
-    params=("get_embedding_ranks", "get_position_embedding_ranks", "store"),
-    source_fragments=(
-        "mpu.initialize_model_parallel(",
-        "order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-cp-ep-pp-dp'",  # see hooks._rank_order
-    ),
+_ORDER_DEFAULT = ('order: str = "tp-cp-ep-dp-pp"',)
+INITIALIZE_MODEL_PARALLEL = {
+    "0.16": TargetSpec("megatron.core.parallel_state", "initialize_model_parallel", _INIT_PARAMS_016,
+                       _ORDER_DEFAULT, "0.16"),
+    "0.19": TargetSpec("megatron.core.parallel_state", "initialize_model_parallel", _INIT_PARAMS_019,
+                       _ORDER_DEFAULT, "0.19"),
+}
+DESTROY_MODEL_PARALLEL = per_release("megatron.core.parallel_state", "destroy_model_parallel", ())
+_CALLER_FRAGMENTS = (
+    "mpu.initialize_model_parallel(",
+    "order='tp-cp-ep-dp-pp' if not args.use_tp_pp_dp_mapping else 'tp-cp-ep-pp-dp'",  # see hooks._rank_order
 )
+CALLER = {
+    "0.16": TargetSpec("megatron.training.initialize", "_initialize_distributed",
+                       ("get_embedding_ranks", "get_position_embedding_ranks", "store"), _CALLER_FRAGMENTS, "0.16"),
+    "0.19": TargetSpec("megatron.training.initialize", "_initialize_distributed",
+                       ("get_embedding_ranks", "get_position_embedding_ranks", "store", "skip_model_parallel_init"),
+                       _CALLER_FRAGMENTS, "0.19"),
+}
 
 
 def install(patcher: Patcher, on_ready: Callable[[], None], on_destroy: Callable[[], None]) -> None:
     """Run ``on_ready()`` after every ``initialize_model_parallel`` and ``on_destroy()`` before teardown."""
-    init_original = resolve_target(INITIALIZE_MODEL_PARALLEL)
-    destroy_original = resolve_target(DESTROY_MODEL_PARALLEL)
-    resolve_target(CALLER)
+    init_spec = spec_for(INITIALIZE_MODEL_PARALLEL)
+    init_original = resolve_target(init_spec)
+    destroy_original = resolve_target(spec_for(DESTROY_MODEL_PARALLEL))
+    resolve_target(spec_for(CALLER))
 
     def initialize_model_parallel(*args, **kwargs):
         init_original(*args, **kwargs)
@@ -59,5 +71,5 @@ def install(patcher: Patcher, on_ready: Callable[[], None], on_destroy: Callable
         destroy_original()
 
     initialize_model_parallel.__wrapped_megatron__ = init_original  # type: ignore[attr-defined]
-    patcher.replace(INITIALIZE_MODEL_PARALLEL.module, "initialize_model_parallel", initialize_model_parallel)
-    patcher.replace(DESTROY_MODEL_PARALLEL.module, "destroy_model_parallel", destroy_model_parallel)
+    patcher.replace(init_spec.module, "initialize_model_parallel", initialize_model_parallel)
+    patcher.replace(init_spec.module, "destroy_model_parallel", destroy_model_parallel)

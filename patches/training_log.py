@@ -10,35 +10,39 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ._base import Patcher, TargetSpec, require_source_fragments, resolve_target
+from ._base import Patcher, TargetSpec, require_source_fragments, resolve_target, spec_for
 
 __all__ = ["TRAINING_LOG", "install"]
 
-TRAINING_LOG = TargetSpec(
-    module="megatron.training.training",
-    attr="training_log",
-    params=(
-        "loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale", "report_memory_flag",
-        "skipped_iter", "grad_norm", "params_norm", "num_zeros_in_grad", "max_attention_logit",
-        "pg_collection", "is_first_iteration",
-    ),
-    source_fragments=("writer = get_tensorboard_writer()",),
+_PARAMS_016 = (
+    "loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale", "report_memory_flag",
+    "skipped_iter", "grad_norm", "params_norm", "num_zeros_in_grad", "max_attention_logit",
+    "pg_collection", "is_first_iteration",
 )
+TRAINING_LOG = {
+    "0.16": TargetSpec("megatron.training.training", "training_log", _PARAMS_016,
+                       ("writer = get_tensorboard_writer()",), "0.16"),
+    "0.19": TargetSpec("megatron.training.training", "training_log",
+                       _PARAMS_016 + ("seqlen_squared_sum_in_batch", "total_real_tokens_in_batch"),
+                       ("writer = get_tensorboard_writer()",), "0.19"),
+}
 TRAIN_LOOP = "report_memory_flag = training_log("
 
 
 def install(patcher: Patcher, after_log: Callable[[int], None]) -> None:
     """Call ``after_log(iteration)`` after each ``training_log`` call; its return value is kept."""
-    original = resolve_target(TRAINING_LOG)
+    spec = spec_for(TRAINING_LOG)
+    original = resolve_target(spec)
     import megatron.training.training as training_module
 
-    require_source_fragments("megatron.training.training.train", training_module.train, (TRAIN_LOOP,))
+    require_source_fragments("megatron.training.training.train", training_module.train, (TRAIN_LOOP,), spec.tag)
+    iteration_index = spec.params.index("iteration")
 
     def training_log(*args, **kwargs):
         result = original(*args, **kwargs)
-        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[iteration_index]
         after_log(int(iteration))
         return result
 
     training_log.__wrapped_megatron__ = original  # type: ignore[attr-defined]
-    patcher.replace(TRAINING_LOG.module, "training_log", training_log)
+    patcher.replace(spec.module, "training_log", training_log)

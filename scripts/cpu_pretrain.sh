@@ -18,7 +18,7 @@ case "${1:-}" in
   --nproc-per-node) nproc="${2:?--nproc-per-node needs a number}"; shift 2 ;;
   --nproc-per-node=*) nproc="${1#*=}"; shift ;;
 esac
-mlm="$("$py" -m libra_megatron.megatron_lm)"  # once here, so the ranks do not race to unpack or clone
+mlm="$("$py" -m libra_megatron.megatron_lm --from-launcher-args "$@")"  # once here (its --megatron-lm-release), so ranks do not race
 export MEGATRON_LM_PATH="$mlm"
 case " $* " in  # every Libra start-up check once, before any rank starts (one line on a bad command line)
   *" --without-libra "*) ;;

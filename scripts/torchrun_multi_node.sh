@@ -25,7 +25,7 @@ MASTER_PORT="${MASTER_PORT:-6000}"
 PYTHON="${PYTHON:-python}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 if [ -z "${MEGATRON_LM_PATH:-}" ]; then  # once per node, so the ranks do not race to unpack or clone
-  mlm="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m libra_megatron.megatron_lm)"
+  mlm="$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m libra_megatron.megatron_lm --from-launcher-args "$@")"
   export MEGATRON_LM_PATH="$mlm"
 fi
 # Every start-up check once, before any rank starts: a bad command line is one line, not one per rank.

@@ -8,22 +8,29 @@ import tarfile
 
 import pytest
 
+from libra_megatron import megatron_lm
 from libra_megatron.megatron_lm import (
     MegatronLMDependencyMissing,
+    MegatronLMMismatch,
     MegatronLMNotFound,
     archive_path,
     cache_dir,
+    check_release_pairing,
     get_megatron_lm,
     missing_package_error,
+    select_release,
+    tree_version,
 )
 
 TREE_FILES = ("megatron/training/__init__.py", "megatron/core/__init__.py", "pretrain_gpt.py")
 
 
-def _tree(root):
+def _tree(root, version="0.16.1"):
     for rel in TREE_FILES:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("")
+    major, minor, patch = version.split(".")
+    (root / "megatron/core/package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
     return root
 
 
@@ -36,10 +43,10 @@ def clone(tmp_path):
     return repo
 
 
-def _archive(clone, tmp_path):
-    src = _tree(tmp_path / "src" / "Megatron-LM")
-    path = archive_path(clone)
-    path.parent.mkdir(parents=True)
+def _archive(clone, tmp_path, release="core_v0.16.1"):
+    src = _tree(tmp_path / "src" / release / "Megatron-LM", release.split("_v")[1])
+    path = archive_path(clone, release)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar:
         tar.add(src, arcname="Megatron-LM")
     return path
@@ -100,3 +107,43 @@ def test_a_missing_megatron_module_means_an_incomplete_tree():
     error = missing_package_error(ModuleNotFoundError("No module named 'megatron.training'",
                                                       name="megatron.training"))
     assert isinstance(error, MegatronLMNotFound) and "incomplete" in str(error)
+
+
+def test_each_release_is_unpacked_into_its_own_cache_folder(clone, tmp_path):
+    """The release argument (the launcher's --megatron-lm-release) and LIBRA_MEGATRON_LM_RELEASE select it."""
+    _archive(clone, tmp_path, "core_v0.16.1")
+    _archive(clone, tmp_path, "core_v0.19.0")
+    old = get_megatron_lm({}, release="core_v0.16.1", repo_root=clone, allow_clone=False)
+    new = get_megatron_lm({"LIBRA_MEGATRON_LM_RELEASE": "core_v0.19.0"}, repo_root=clone, allow_clone=False)
+    assert old == cache_dir(clone, "core_v0.16.1") / "Megatron-LM" and tree_version(old) == "0.16.1"
+    assert new == cache_dir(clone, "core_v0.19.0") / "Megatron-LM" and tree_version(new) == "0.19.0"
+    assert get_megatron_lm({}, release="core_v0.16.1", repo_root=clone, allow_clone=False) == old  # both kept
+
+
+def test_an_unknown_release_names_the_variable_and_the_supported_tags():
+    with pytest.raises(MegatronLMNotFound, match=r"^LIBRA_MEGATRON_LM_RELEASE core_v0.18.0: not a supported "
+                                                 r"Megatron-LM release; choose one of core_v0.16.1, core_v0.19.0$"):
+        select_release(None, {"LIBRA_MEGATRON_LM_RELEASE": "core_v0.18.0"})
+
+
+@pytest.mark.parametrize("installed, expected", [("0.16.1", "core_v0.16.1"), ("0.19.2", "core_v0.19.0"),
+                                                 (None, "core_v0.16.1"), ("0.20.0", "core_v0.16.1")])
+def test_the_default_release_pairs_with_the_installed_megatron_core(monkeypatch, installed, expected):
+    """Python 3.11 installs have megatron-core 0.16.1 (core_v0.16.1); 3.12+ with 0.19.x from the index get
+    core_v0.19.0; an explicit choice always wins."""
+    monkeypatch.setattr(megatron_lm, "_installed_megatron_core", lambda: installed)
+    assert select_release(None, {}) == expected
+    assert select_release("core_v0.19.0", {"LIBRA_MEGATRON_LM_RELEASE": "core_v0.16.1"}) == "core_v0.19.0"
+
+
+def test_a_megatron_core_that_does_not_pair_with_the_tree_is_one_line(tmp_path):
+    """The 3.12 situation faked with versions: megatron-core 0.16.1 imported beside a core_v0.19 tree."""
+    tree = _tree(tmp_path / "Megatron-LM", "0.19.0")
+    check_release_pairing("0.19.2", "/site-packages/megatron/core/__init__.py", tree)  # 0.19.x pairs with 0.19
+    with pytest.raises(MegatronLMMismatch) as info:
+        check_release_pairing("0.16.1", "/site-packages/megatron/core/__init__.py", tree)
+    message = str(info.value)
+    assert "\n" not in message and isinstance(info.value, ValueError)
+    assert message == (f"megatron-core 0.16.1 (/site-packages/megatron/core/__init__.py) does not pair with the "
+                       f"Megatron-LM tree {tree} (version 0.19.0): install megatron-core 0.19.x, or use the tree "
+                       f"of release core_v0.16.1")

@@ -14,6 +14,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -244,6 +245,18 @@ def print_megatron_help(program: Path) -> None:
     sys.argv = [str(program), "--help"]
     try:
         with contextlib.suppress(SystemExit):
-            parse_args(add_libra_args)
+            parse_args(lambda parser: _escape_bare_percent_signs(add_libra_args(parser)))
     finally:
         sys.argv = saved
+
+
+_PERCENT = re.compile(r"%%|%\(|%")  # an escaped '%%', a '%(name)s' field, or a bare '%'
+
+
+def _escape_bare_percent_signs(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse %-formats every help string; core_v0.19 has help text with a bare '%' (a TransformerConfig
+    docstring's '10%)'), on which its own ``--help`` stops with a ValueError. Only ``--help`` uses this."""
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = _PERCENT.sub(lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
+    return parser

@@ -84,8 +84,31 @@ def _dataloader(args: argparse.Namespace) -> Optional[str]:
 
 
 def _hybrid_cp(args: argparse.Namespace) -> Optional[str]:
-    if getattr(args, "hybrid_context_parallel", False):
-        return "--hybrid-context-parallel cannot be combined with Libra sequence pools"
+    """Megatron's own CP re-balancing (core_v0.16/0.19: --hybrid-context-parallel; renamed
+    --dynamic-context-parallel on the development line) regroups sequences over DP x CP ranks itself."""
+    for dest in ("hybrid_context_parallel", "dynamic_context_parallel"):
+        if getattr(args, dest, False):
+            return (f"--{dest.replace('_', '-')} cannot be combined with Libra sequence pools (VRSP and TAP "
+                    f"balance the DP x CP ranks themselves)")
+    return None
+
+
+def _inter_document_masking(args: argparse.Namespace) -> Optional[str]:
+    """core_v0.19's GPTDataset emits its own cu_seqlens (and pads documents for its CP split) with this flag;
+    Libra's sampler and get_batch already give per-document attention from the packed segments."""
+    if getattr(args, "dataloader_inter_document_masking", False):
+        return ("--dataloader-inter-document-masking: Libra computes per-document attention itself (cu_seqlens "
+                "from its sampler's segments); drop the flag")
+    return None
+
+
+def _local_attention_backend(args: argparse.Namespace) -> Optional[str]:
+    """core_v0.19's GPT model builder replaces the layer spec's core attention with megatron-core's
+    DotProductAttention when --attention-backend is local, which would silently drop LibraCoreAttention."""
+    backend = getattr(args, "attention_backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)).split(".")[-1] == "local":
+        return ("--attention-backend local: Megatron-LM core_v0.19 then replaces the spec's core attention "
+                "(LibraCoreAttention) with its own DotProductAttention; leave --attention-backend at auto")
     return None
 
 
@@ -115,8 +138,8 @@ def _libra_spec(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-_LAYOUT_RULES = (_attention_dropout, _dataloader, _hybrid_cp, _mla,
-                 _reset_position_ids_with_cp, _libra_spec)
+_LAYOUT_RULES = (_attention_dropout, _dataloader, _hybrid_cp, _inter_document_masking,
+                 _local_attention_backend, _mla, _reset_position_ids_with_cp, _libra_spec)
 """Megatron settings the Libra path cannot run with; each returns the error (naming the flag) or None."""
 
 
@@ -244,10 +267,11 @@ class LibraHooks:
         return get_batch
 
     def make_dataset_rule(self, original: Callable[..., bool]) -> Callable[..., bool]:
-        """The ``is_dataset_built_on_rank(vp_stage=None)`` that replaces the program's ``original``: TP rank 0
-        of every pipeline stage and model chunk builds the dataset (see the module doc, "Pipeline stages")."""
+        """The ``is_dataset_built_on_rank`` that replaces the program's ``original``: TP rank 0 of every pipeline
+        stage and model chunk builds the dataset (see the module doc, "Pipeline stages"). core_v0.19's provider
+        also passes ``is_packed_sequence``, for which upstream builds on TP rank 0 too."""
 
-        def is_dataset_built_on_rank(vp_stage=None):
+        def is_dataset_built_on_rank(vp_stage=None, is_packed_sequence=False):
             from megatron.core import parallel_state
 
             return parallel_state.get_tensor_model_parallel_rank() == 0

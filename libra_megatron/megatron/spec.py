@@ -173,8 +173,9 @@ def libra_gpt_spec_from_args(args, backend: Optional[str] = None) -> ModuleSpec:
                          f"MoE); build a block spec and call swap_core_attention on it for mixed layers")
     common = dict(num_experts=num_experts, moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
                   qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
-                  moe_use_legacy_grouped_gemm=bool(getattr(args, "moe_use_legacy_grouped_gemm", False)),
                   qk_l2_norm=bool(getattr(args, "qk_l2_norm", False)))
+    if getattr(args, "moe_use_legacy_grouped_gemm", False):  # core_v0.16 only: core_v0.19 has no such flag/kwarg
+        common["moe_use_legacy_grouped_gemm"] = True
     if impl == "transformer_engine":
         return swap_core_attention(_te_layer_spec(**common))
     if impl == "local":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -29,7 +30,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_megatron_cpu_shims", "emulate_cuda_on_cpu", "cuda_is_emulated", "main"]
+__all__ = ["apply_megatron_cpu_shims", "emulate_cuda_on_cpu", "cuda_is_emulated", "main",
+           "allow_megatron_lm_0_17_on_python_3_11", "put_megatron_lm_tree_first", "use_installed_dataset_helpers"]
 
 _REAL_CUDA_AVAILABLE = torch.cuda.is_available
 _ROPE_MODULES = (
@@ -307,16 +309,59 @@ def emulate_cuda_on_cpu() -> None:
     _STATE["emulation"] = mode
 
 
+def allow_megatron_lm_0_17_on_python_3_11() -> None:
+    """Megatron-LM >= core_v0.17 declares Python >= 3.12 and imports ``typing.override`` (3.12) in
+    ``megatron/training/models/{gpt,hybrid}.py``; on the 3.11 test machines ``typing_extensions`` supplies it."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+        # processes Megatron-LM spawns (core_v0.19's checkpoint writer) re-import pretrain_gpt.py first
+        site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py311_site")
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if site not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([site] + paths)
+
+
+def put_megatron_lm_tree_first(megatron_lm_path: Any) -> bool:
+    """Put the tree first on ``sys.path`` when its release differs from the installed megatron-core (the
+    test-only core_v0.19 tree on Python 3.11, where megatron-core 0.16.1 is installed): the tree's own
+    ``megatron/core`` is then the one imported, and the launcher's pairing check sees it. True if moved."""
+    from importlib import metadata
+
+    from libra_megatron.megatron_lm import release_line, tree_version
+
+    try:
+        installed = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        installed = None
+    tree = tree_version(megatron_lm_path)
+    if tree is None or (installed is not None and release_line(installed) == release_line(tree)):
+        return False
+    path = str(megatron_lm_path)
+    if path in sys.path:
+        sys.path.remove(path)
+    sys.path.insert(0, path)
+    return True
+
+
 def _skip_fused_kernel_build() -> None:
-    """Megatron-LM's legacy fused-kernel loader runs ``nvcc``; the CPU run uses the unfused torch paths."""
+    """Megatron-LM's legacy fused-kernel loader runs ``nvcc``; the CPU run uses the unfused torch paths.
+    core_v0.19 has no ``megatron.legacy`` (and no start-up fused-kernel build): nothing to skip."""
+    if importlib.util.find_spec("megatron.legacy") is None:
+        return
     from megatron.legacy import fused_kernels
 
     fused_kernels.load = _returning(None)
 
 
-def _use_installed_dataset_helpers() -> None:
+def use_installed_dataset_helpers() -> None:
     """Megatron-LM compiles ``helpers.cpp`` at start-up with make, pybind11 and whatever ``python3-config`` is on
-    PATH (here: another Python's suffix); the pinned megatron-core 0.16.1 wheel ships the same file compiled."""
+    PATH (here: another Python's suffix, and no pybind11); the pinned megatron-core 0.16.1 wheel ships the file
+    compiled. The build is reused only when the imported ``megatron.core``'s ``helpers.cpp`` is byte-identical
+    to the wheel's (core_v0.16.1 and core_v0.19.0 both are); otherwise this stops naming both files."""
     from importlib import metadata, util
 
     from megatron.core.datasets import utils
@@ -324,10 +369,12 @@ def _use_installed_dataset_helpers() -> None:
     wheel = metadata.distribution("megatron-core")
     files = {str(f): f for f in wheel.files or ()}
     so = next(f for name, f in files.items() if name.startswith("megatron/core/datasets/helpers_cpp"))
+    theirs = wheel.locate_file(files["megatron/core/datasets/helpers.cpp"])
     ours = os.path.join(os.path.dirname(utils.__file__), "helpers.cpp")
-    with open(wheel.locate_file(files["megatron/core/datasets/helpers.cpp"]), "rb") as a, open(ours, "rb") as b:
+    with open(theirs, "rb") as a, open(ours, "rb") as b:
         if a.read() != b.read():
-            raise RuntimeError(f"{ours} differs from the megatron-core wheel's helpers.cpp; cannot reuse its build")
+            raise RuntimeError(f"{ours} differs from the megatron-core {wheel.version} wheel's {theirs}; its "
+                               f"compiled helpers cannot be reused for this Megatron-LM tree")
     spec = util.spec_from_file_location("megatron.core.datasets.helpers_cpp", wheel.locate_file(so))
     module = util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -338,11 +385,17 @@ def _use_installed_dataset_helpers() -> None:
 def _on_megatron_ready(plan: Any) -> None:
     """Launcher callback: Megatron-LM is importable and patched; apply the shims that import megatron."""
     _skip_fused_kernel_build()
-    _use_installed_dataset_helpers()
+    use_installed_dataset_helpers()
     apply_megatron_cpu_shims()
 
 
 WITHOUT_LIBRA = "--without-libra"
+
+
+def _before_megatron_import(plan: Any) -> None:
+    """Launcher callback before Megatron-LM is imported: the test-only import set-up of its tree."""
+    allow_megatron_lm_0_17_on_python_3_11()
+    put_megatron_lm_tree_first(plan.megatron_lm_path)
 
 
 def _main_without_libra(argv: Sequence[str]) -> int:
@@ -350,6 +403,7 @@ def _main_without_libra(argv: Sequence[str]) -> int:
     from libra_megatron import launch
 
     plan = launch.parse_launch_args(argv)
+    _before_megatron_import(plan)
     launch.import_megatron_training(plan.megatron_lm_path)
     _on_megatron_ready(plan)
     launch.run_program(plan)
@@ -370,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if WITHOUT_LIBRA in args:
         args.remove(WITHOUT_LIBRA)
         run_cli(launch.TOOL, _main_without_libra, args)
-    launch.main(args, on_megatron_ready=_on_megatron_ready)
+    launch.main(args, before_megatron_import=_before_megatron_import, on_megatron_ready=_on_megatron_ready)
 
 
 if __name__ == "__main__":

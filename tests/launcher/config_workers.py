@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .megatron_lm import put_megatron_lm_on_path
+from libra_megatron.megatron_lm import release_line
+
+from .megatron_lm import active_release, put_megatron_lm_on_path
 
 SEQ_LEN = 256
 SCALED_LAYERS = 2
@@ -32,7 +34,8 @@ CPU_SUBSTITUTIONS: Dict[str, Tuple[object, str]] = {
     "--cross-entropy-fusion-impl": (None, "(see --cross-entropy-loss-fusion)"),
     "--tokenizer-type": ("NullTokenizer", "the Qwen3 tokenizer would be downloaded from the Hugging Face hub"),
     "--tokenizer-model": (None, "(see --tokenizer-type)"),
-    "--vocab-size": (VOCAB_WITHOUT_EOD, "NullTokenizer's size: the same 151936 embedding rows"),
+    "--vocab-size": (VOCAB_WITHOUT_EOD, "NullTokenizer's size: the same 151936 embedding rows (core_v0.19: +1, "
+                                        "see null_tokenizer_vocab_size)"),
     "--seq-length": (SEQ_LEN, "256K/1M tokens per sequence do not fit a CPU test"),
     "--max-position-embeddings": (SEQ_LEN, "(see --seq-length)"),
     "--tensor-model-parallel-size": (1, "gloo has no reduce-scatter for sequence-parallel TP; 2 ranks"),
@@ -51,6 +54,12 @@ VALUELESS = {"--moe-grouped-gemm", "--cross-entropy-loss-fusion", "--sequence-pa
 # Megatron-LM flags only a test needs (data, no CUDA-only fusions); none of them is in any config.
 TEST_ONLY_FLAGS = ["--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-dropout-fusion",
                    "--use-cpu-initialization", "--train-iters", "4", "--seed", "1234"]
+
+
+def null_tokenizer_vocab_size() -> int:
+    """--vocab-size for 151936 rows, EOD 151935: core_v0.16's NullTokenizer adds the EOD id, core_v0.19's
+    counts it in (the same rule as ``megatron_lm.tiny_model_args``)."""
+    return VOCAB_WITHOUT_EOD + (0 if release_line(active_release()) == "0.16" else 1)
 
 
 def _scaled_value(flag: str, value: str, hidden: int) -> str:
@@ -84,7 +93,7 @@ def scaled_config_argv(config_argv: List[str], moe: bool, scale: bool = True) ->
     for flag, values in pairs:
         seen.add(flag)
         if flag in CPU_SUBSTITUTIONS:
-            value = CPU_SUBSTITUTIONS[flag][0]
+            value = null_tokenizer_vocab_size() if flag == "--vocab-size" else CPU_SUBSTITUTIONS[flag][0]
             changed[flag] = f"{' '.join(values) or 'set'} -> {value if value is not None else 'dropped'}"
             if value is not None:
                 out += [flag, str(value)]
@@ -94,6 +103,7 @@ def scaled_config_argv(config_argv: List[str], moe: bool, scale: bool = True) ->
             changed[flag] = f"{' '.join(values)} -> {' '.join(scaled)}"
         out += [flag] + scaled
     for flag, (value, _) in CPU_SUBSTITUTIONS.items():  # substitutions the config does not set itself
+        value = null_tokenizer_vocab_size() if flag == "--vocab-size" else value
         if flag not in seen and value is not None and flag not in VALUELESS:
             if flag.startswith("--expert") and not moe:
                 continue
@@ -137,10 +147,13 @@ def _start(world_size, config, data_prefix, work):
     import torch
 
     from libra_megatron.launch import expand_args_files
-    from libra_megatron.testing.cpu_shims import apply_megatron_cpu_shims, emulate_cuda_rng_on_cpu
+    from libra_megatron.testing.cpu_shims import (apply_megatron_cpu_shims, emulate_cuda_rng_on_cpu,
+                                                  use_installed_dataset_helpers)
 
     apply_megatron_cpu_shims()
     emulate_cuda_rng_on_cpu()  # the configs' full activation recompute saves/restores the "CUDA" RNG state
+    use_installed_dataset_helpers()  # a core_v0.19 tree has no compiled dataset helpers of its own
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import libra_megatron.patches as patches
     from megatron.core import parallel_state
@@ -154,9 +167,10 @@ def _start(world_size, config, data_prefix, work):
     patcher = patches.install_all(hooks)
     sys.argv = ["pretrain_gpt.py"] + argv + ["--data-path", data_prefix, "--split", "100,0,0",
                                              "--data-cache-path", work + "/cache"]
-    args = initialize.parse_args()  # the patched name initialize_megatron calls
+    # the patched name Megatron-LM's caller uses: initialize_megatron's (core_v0.16), parse_and_validate_args' (0.19)
+    args = getattr(initialize, "parse_args", arguments.parse_args)()
     args.world_size = world_size
-    initialize.validate_args(args, {})
+    arguments.validate_args(args, {})
     set_global_variables(args, build_tokenizer=True)
     torch.manual_seed(args.seed)
     parallel_state.initialize_model_parallel(  # patched: Libra start-up runs right after it
@@ -169,7 +183,6 @@ def _build_and_step(hooks, args, reference: bool) -> dict:
     import gpt_builders
     import megatron.training.training as training
     import pretrain_gpt
-    from libra_megatron.patches.get_batch import swap_get_batch
 
     from libra_megatron.megatron.attention import LibraCoreAttention
 
@@ -180,37 +193,46 @@ def _build_and_step(hooks, args, reference: bool) -> dict:
            "param_dtype": str(next(model.parameters()).dtype), "vocab_rows": model.embedding.word_embeddings.weight.shape[0],
            "libra_pool_size": hooks.config.pool_size}
     train_ds, _, _ = pretrain_gpt.train_valid_test_datasets_provider([8, 0, 0])
-    swap_get_batch(pretrain_gpt.forward_step, hooks.make_get_batch)
-    out["libra"] = _forward_backward(model, pretrain_gpt, training, train_ds)
+    out["libra"] = _forward_backward(model, pretrain_gpt, training, train_ds, hooks)
     if reference:
-        out["plain"] = _forward_backward(model, pretrain_gpt, training, train_ds, drop_plan=True)
+        out["plain"] = _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=True)
     return out
 
 
-def _forward_backward(model, pretrain_gpt, training, train_ds, drop_plan=False) -> dict:
+def _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=False) -> dict:
     """One microbatch through pretrain_gpt.forward_step + loss_func and backward: loss, gradient stats and the
-    bytes this step's plan sent between the pool's ranks (summed over ranks)."""
+    bytes this step's plan sent between the pool's ranks (summed over ranks). ``forward_step``'s globals are
+    swapped by the patch point for the running release and restored afterwards."""
     import dataclasses
 
     import torch
     import torch.distributed as dist
 
+    from libra_megatron.patches._base import active_release
+    from libra_megatron.patches.get_batch import swap_get_batch
+
     model.zero_grad(set_to_none=True)
     data = iter(training.build_pretraining_data_loader(train_ds, 0))  # the patched (Libra) loader
-    get_batch, sent = pretrain_gpt.get_batch, []
+    sent = []
 
-    def recorded(data_iterator, vp_stage=None):
-        *rest, packed = get_batch(data_iterator, vp_stage)
-        sent.append(0 if packed.libra_plan is None else sum(packed.libra_plan.bytes_sent))
-        return (*rest, dataclasses.replace(packed, libra_plan=None) if drop_plan else packed)
+    def make_recorded(original):
+        get_batch = hooks.make_get_batch(original)
 
-    pretrain_gpt.get_batch = recorded
+        def recorded(data_iterator, vp_stage=None):
+            *rest, packed = get_batch(data_iterator, vp_stage)
+            sent.append(0 if packed.libra_plan is None else sum(packed.libra_plan.bytes_sent))
+            return (*rest, dataclasses.replace(packed, libra_plan=None) if drop_plan else packed)
+
+        return recorded
+
+    saved = {name: vars(pretrain_gpt)[name] for name in ("get_batch", "PackedSeqParams") if name in vars(pretrain_gpt)}
+    swap_get_batch(pretrain_gpt.forward_step, make_recorded, active_release())
     try:
         output, loss_fn = pretrain_gpt.forward_step(data, model)
         loss, num_tokens, report = loss_fn(output)
         (loss / num_tokens).backward()
     finally:
-        pretrain_gpt.get_batch = get_batch
+        vars(pretrain_gpt).update(saved)
     totals = torch.tensor([float(report["lm loss"][0]), float(report["lm loss"][1]), float(sum(sent))],
                           dtype=torch.float64)
     dist.all_reduce(totals)

@@ -1,17 +1,38 @@
-"""Shared fixtures of the launcher tests: Megatron-LM from the getter, and fake modules."""
+"""Shared fixtures of the launcher tests: Megatron-LM per release from the getter, and fake modules.
+
+Every Megatron-LM test runs once per supported release: ``megatron_lm_release`` is parametrized over
+``RELEASES`` (core_v0.16.1, core_v0.19.0), module-scoped, and ``megatron_lm_path`` depends on it, so a test (or
+fixture) that asks for either runs for both releases, its test id ending in ``[core_v0.16.1]`` /
+``[core_v0.19.0]``. Inside a module the tests of one release run together; in-process imports of megatron
+give that release (``megatron_lm.release_imported``) and the other release's modules are restored after.
+``LIBRA_MEGATRON_LM_RELEASE=core_v0.19.0`` limits a local run to one release.
+"""
 import importlib
+import os
 import sys
 import textwrap
 
 import pytest
 
+from libra_megatron.megatron_lm import ENV_MEGATRON_LM_RELEASE, RELEASES
+
 from .megatron_lm import megatron_lm_path as _megatron_lm_path
+from .megatron_lm import release_imported
+
+_SELECTED = tuple(r for r in RELEASES if os.environ.get(ENV_MEGATRON_LM_RELEASE) in (None, "", r))
 
 
-@pytest.fixture(scope="session")
-def megatron_lm_path():
-    """Megatron-LM's root (``libra_megatron.megatron_lm``); FAILS under CI, skips elsewhere, if unavailable."""
-    return _megatron_lm_path()
+@pytest.fixture(scope="module", params=_SELECTED)
+def megatron_lm_release(request):
+    """The Megatron-LM release of this test (a tag of ``RELEASES``); in-process megatron imports give it."""
+    with release_imported(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_path(megatron_lm_release):
+    """That release's root (``libra_megatron.megatron_lm``); FAILS under CI, skips elsewhere, if unavailable."""
+    return _megatron_lm_path(megatron_lm_release)
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,10 @@ the linux-6.12 trace, synthetic tokens), the patched
 patch) with its ``loss_func`` over one global batch, forward and backward (microbatch losses scaled as
 megatron-core's no-pipelining schedule does; the schedule and the optimizer update are not run).
 """
+import contextlib
 import sys
 
-
-from .megatron_lm import TINY_MODEL_ARGS, put_megatron_lm_on_path
+from .megatron_lm import put_megatron_lm_on_path, tiny_model_args
 
 SEQ_LEN = 1024
 GBS = 4
@@ -36,12 +36,14 @@ def _start(world_size, save_dir, spec_name, libra_flags, data_prefix):
     """Hooks installed, args parsed/validated/set globally, model-parallel (+ pool groups) initialised."""
     import torch
 
-    from libra_megatron.testing.cpu_shims import apply_megatron_cpu_shims
+    from libra_megatron.testing.cpu_shims import apply_megatron_cpu_shims, use_installed_dataset_helpers
 
     put_megatron_lm_on_path()
     apply_megatron_cpu_shims()
+    use_installed_dataset_helpers()  # a core_v0.19 tree has no compiled dataset helpers of its own
     import libra_megatron.patches as patches
     from megatron.core import parallel_state
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     from megatron.training.global_vars import set_global_variables
 
@@ -49,15 +51,17 @@ def _start(world_size, save_dir, spec_name, libra_flags, data_prefix):
 
     hooks = LibraHooks()
     patcher = patches.install_all(hooks)
-    model_args = [a for a in TINY_MODEL_ARGS if a != "--mock-data"]
+    model_args = [a for a in tiny_model_args() if a != "--mock-data"]
     sys.argv = (["pretrain_gpt.py"] + model_args
                 + ["--data-path", data_prefix, "--split", "100,0,0", "--data-cache-path", save_dir + "/cache",
                    "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(SEQ_LEN),
                    "--global-batch-size", str(GBS), "--save", save_dir, "--save-interval", "1000",
                    "--spec", "libra_megatron.megatron.spec", spec_name] + libra_flags)
-    args = initialize.parse_args()  # the (patched) names initialize_megatron calls
+    # the (patched) name Megatron-LM's own caller uses: initialize_megatron's (core_v0.16), else
+    # parse_and_validate_args' (core_v0.19)
+    args = getattr(initialize, "parse_args", arguments.parse_args)()
     args.world_size = world_size
-    initialize.validate_args(args, {})
+    arguments.validate_args(args, {})
     set_global_variables(args, build_tokenizer=True)
     torch.manual_seed(args.seed)
     parallel_state.initialize_model_parallel(1, 1)  # patched: Libra start-up runs right after it
@@ -119,12 +123,13 @@ def _step(rank, world_size, hooks, args):
     out["dataset_window"] = [train_ds[i]["tokens"].reshape(-1).tolist() for i in range(GBS)]
     out["window_segments"] = [gpt_sample_segments(train_ds, i).tolist() for i in range(GBS)]
 
-    swap_get_batch(pretrain_gpt.forward_step, hooks.make_get_batch)
-    batch = pretrain_gpt.get_batch(iter(training.build_pretraining_data_loader(train_ds, 0)), None)
-    out["batch"] = _describe_batch(batch)
-    out["loss_libra"], out["grad_norm_libra"] = _forward_backward(model, pretrain_gpt, train_ds, training, ga)
-    out["loss_local"], out["grad_norm_local"] = _forward_backward(
-        model, pretrain_gpt, train_ds, training, ga, drop_plan=True)
+    with _swapped(pretrain_gpt, hooks.make_get_batch):
+        libra_get_batch = getattr(pretrain_gpt.get_batch, "libra_get_batch", pretrain_gpt.get_batch)  # six values
+        out["batch"] = _describe_batch(libra_get_batch(iter(training.build_pretraining_data_loader(train_ds, 0)),
+                                                       None))
+        out["loss_libra"], out["grad_norm_libra"] = _forward_backward(model, pretrain_gpt, train_ds, training, ga)
+    with _swapped(pretrain_gpt, lambda original: _without_plan(hooks.make_get_batch(original))):
+        out["loss_local"], out["grad_norm_local"] = _forward_backward(model, pretrain_gpt, train_ds, training, ga)
 
     writer = RecordingWriter()
     global_vars._GLOBAL_TENSORBOARD_WRITER = writer
@@ -146,7 +151,21 @@ def _describe_batch(batch):
     }
 
 
-def _forward_backward(model, pretrain_gpt, train_ds, training, num_microbatches, drop_plan=False):
+@contextlib.contextmanager
+def _swapped(pretrain_gpt, make_get_batch):
+    """The patch point's swap of ``pretrain_gpt``'s globals for this release, undone afterwards."""
+    from libra_megatron.patches._base import active_release
+    from libra_megatron.patches.get_batch import swap_get_batch
+
+    saved = {name: vars(pretrain_gpt)[name] for name in ("get_batch", "PackedSeqParams") if name in vars(pretrain_gpt)}
+    swap_get_batch(pretrain_gpt.forward_step, make_get_batch, active_release())
+    try:
+        yield
+    finally:
+        vars(pretrain_gpt).update(saved)
+
+
+def _forward_backward(model, pretrain_gpt, train_ds, training, num_microbatches):
     """One global batch through pretrain_gpt.forward_step + loss_func; global loss/token and grad norm.
 
     Microbatch losses are scaled as megatron-core's forward_backward_no_pipelining does (loss / tokens /
@@ -157,18 +176,12 @@ def _forward_backward(model, pretrain_gpt, train_ds, training, num_microbatches,
 
     model.zero_grad(set_to_none=True)
     data = iter(training.build_pretraining_data_loader(train_ds, 0))
-    get_batch = pretrain_gpt.get_batch
-    if drop_plan:
-        pretrain_gpt.get_batch = _without_plan(get_batch)
     loss_sum, tokens = 0.0, 0.0
-    try:
-        for _ in range(num_microbatches):
-            output, loss_fn = pretrain_gpt.forward_step(data, model)
-            loss, num_tokens, report = loss_fn(output)
-            (loss / num_tokens / num_microbatches).backward()
-            loss_sum, tokens = loss_sum + float(report["lm loss"][0]), tokens + float(report["lm loss"][1])
-    finally:
-        pretrain_gpt.get_batch = get_batch
+    for _ in range(num_microbatches):
+        output, loss_fn = pretrain_gpt.forward_step(data, model)
+        loss, num_tokens, report = loss_fn(output)
+        (loss / num_tokens / num_microbatches).backward()
+        loss_sum, tokens = loss_sum + float(report["lm loss"][0]), tokens + float(report["lm loss"][1])
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
     dist.all_reduce(totals)
     grads = [p.grad.detach().double().clone() for p in model.parameters() if p.grad is not None]

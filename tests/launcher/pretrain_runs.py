@@ -20,18 +20,22 @@ from typing import Dict, List, Optional, Sequence
 
 from .megatron_lm import REPO
 
-TINY_CPU_ARGS = REPO / "configs" / "cpu" / "tiny-qwen3.args"
-TRAIN_ITERS = 4  # --train-iters in that file (checked by common_flags)
+TINY_CPU_ARGS = {"0.16": REPO / "configs" / "cpu" / "tiny-qwen3.args",
+                 "0.19": REPO / "configs" / "cpu" / "tiny-qwen3-core_v0.19.args"}
+"""Per release line: the same model, data and steps; only NullTokenizer's --vocab-size differs (256 ids, EOD 255)."""
+TRAIN_ITERS = 4  # --train-iters in those files (checked by common_flags)
 
 
-def common_flags(data_prefix: str, cache_dir: str) -> List[str]:
-    """pretrain_gpt.py flags shared by the Libra and the plain run: configs/cpu/tiny-qwen3.args (the tiny
-    Qwen3 shape, L=1024, GBS=8, 4 iterations) and a real indexed dataset."""
+def common_flags(data_prefix: str, cache_dir: str, release: str = "core_v0.16.1") -> List[str]:
+    """pretrain_gpt.py flags shared by the Libra and the plain run of ``release``: configs/cpu/tiny-qwen3*.args
+    (the tiny Qwen3 shape, L=1024, GBS=8, 4 iterations) and a real indexed dataset."""
     from libra_megatron.launch import expand_args_files
+    from libra_megatron.megatron_lm import release_line
 
-    flags = expand_args_files(["--megatron-args-file", str(TINY_CPU_ARGS)])
+    args_file = str(TINY_CPU_ARGS[release_line(release)])
+    flags = expand_args_files(["--megatron-args-file", args_file])
     assert flags[flags.index("--train-iters") + 1] == str(TRAIN_ITERS)
-    return ["--megatron-args-file", str(TINY_CPU_ARGS), "--data-path", data_prefix, "--data-cache-path", cache_dir]
+    return ["--megatron-args-file", args_file, "--data-path", data_prefix, "--data-cache-path", cache_dir]
 
 
 LIBRA_FLAGS = ["--no-create-attention-mask-in-dataloader", "--spec", "libra_megatron.megatron.spec",

@@ -27,6 +27,10 @@ def _args(**kw):
     (dict(multi_latent_attention=True), r"^--multi-latent-attention: .*not MLA"),
     (dict(spec=None), r"^--spec is not given: .*--spec libra_megatron.megatron.spec libra_gpt_spec"),
     (dict(context_parallel_size=2, reset_position_ids=True), r"^--reset-position-ids with --context-parallel-size 2"),
+    (dict(dynamic_context_parallel=True), r"^--dynamic-context-parallel cannot be combined with Libra sequence pools"),
+    (dict(dataloader_inter_document_masking=True), r"^--dataloader-inter-document-masking: .*drop the flag$"),
+    (dict(attention_backend=type("AttnBackend", (), {"name": "local"})()), r"^--attention-backend local: "),
+    (dict(attention_backend="local"), r"^--attention-backend local: "),
 ])
 def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -37,7 +41,9 @@ def test_unsupported_layouts_are_rejected_naming_the_flag(kw, pattern):
                                 dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
                                 dict(dataloader_type="cyclic"),
                                 dict(dataloader_type=None), dict(attention_dropout=0.0, hidden_dropout=0.1),
-                                dict(context_parallel_size=1, reset_position_ids=True)])
+                                dict(context_parallel_size=1, reset_position_ids=True),
+                                dict(dataloader_inter_document_masking=False, dynamic_context_parallel=False),
+                                dict(attention_backend=type("AttnBackend", (), {"name": "auto"})())])
 def test_supported_layouts_pass(kw):
     check_supported_layout(_args(**kw))
 

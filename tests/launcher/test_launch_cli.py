@@ -212,3 +212,39 @@ def test_patches_load_as_libra_megatron_patches_from_a_checkout_that_is_not_inst
                             env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["libra_megatron.patches", "5", "libra_megatron.patches._base", "False"]
+
+
+def _versioned(root, version):
+    major, minor, patch = version.split(".")
+    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
+    return root
+
+
+def test_release_flag_asks_the_getter_for_that_release(fake_megatron, tmp_path):
+    _versioned(fake_megatron, "0.19.1")
+    asked = []
+
+    def getter(environ):
+        asked.append(environ.get("LIBRA_MEGATRON_LM_RELEASE"))
+        return fake_megatron
+
+    plan = parse_launch_args(["--megatron-lm-release", "core_v0.19.0", "--num-layers", "2"], environ={},
+                             getter=getter)
+    assert asked == ["core_v0.19.0"] and plan.megatron_lm_path == fake_megatron
+    assert plan.megatron_argv == ["--num-layers", "2"]
+
+
+def test_release_flag_that_contradicts_the_given_tree_is_an_error(fake_megatron):
+    _versioned(fake_megatron, "0.16.1")
+    with pytest.raises(ValueError, match=r"^--megatron-lm-release core_v0.19.0, but the Megatron-LM tree .* \(from "
+                                         r"\$MEGATRON_LM_PATH\) is version 0.16.1; drop one of them$"):
+        parse_launch_args(["--megatron-lm-release", "core_v0.19.0"], environ={"MEGATRON_LM_PATH": str(fake_megatron)})
+
+
+def test_scripts_hand_their_command_line_to_the_getter_which_reads_only_the_release():
+    from libra_megatron.megatron_lm import release_flag
+
+    assert release_flag(["--megatron-args-file", "x.args", "--megatron-lm-release", "core_v0.19.0", "--lr", "1"]) \
+        == "core_v0.19.0"
+    assert release_flag(["--megatron-lm-release=core_v0.16.1"]) == "core_v0.16.1"
+    assert release_flag(["--help", "--lr", "1"]) is None

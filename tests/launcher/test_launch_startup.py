@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from .megatron_lm import REPO, TINY_MODEL_ARGS, import_megatron_training, needs_megatron_lm
+from libra_megatron.megatron_lm import release_line
+
+from .megatron_lm import REPO, TINY_MODEL_ARGS, active_release, import_megatron_training, needs_megatron_lm
 
 SPEC = ["--spec", "libra_megatron.megatron.spec", "libra_local_qk_spec"]
 GOOD = TINY_MODEL_ARGS + SPEC + ["--seq-length", "256", "--max-position-embeddings", "256",
@@ -49,7 +51,23 @@ BAD = [  # (case, world size, argv, message pattern)
     ("chunks-vs-heads-per-tp-rank", 2, GOOD + ["--tensor-model-parallel-size", "2"],
      r"^--libra-num-chunks \(num_chunks\) 4 must divide num_attention_heads/--libra-head-split = 2/1 = 2 "
      r"\(heads per tensor-parallel rank: --num-attention-heads 4 / --tensor-model-parallel-size 2\)$"),
+    ("local-attention-backend", 2, GOOD + ["--attention-backend", "local"],
+     r"^--attention-backend local: Megatron-LM core_v0.19 then replaces the spec's core attention"),
 ]
+BAD_CORE_V019 = [  # flags that exist from core_v0.19 on (core_v0.16's argparse rejects them anyway)
+    ("inter-document-masking", 2, GOOD + ["--dataloader-inter-document-masking"],
+     r"^--dataloader-inter-document-masking: Libra computes per-document attention itself"),
+]
+
+
+def _harness_unless_paired():
+    """The product launcher when the test's release pairs with the installed megatron-core; else (core_v0.19 on
+    Python 3.11, test-only) the CPU harness, whose import set-up puts that tree's own megatron/core first."""
+    from importlib import metadata
+
+    if release_line(metadata.version("megatron-core")) == release_line(active_release()):
+        return "libra_megatron.launch"
+    return "libra_megatron.testing.cpu_shims"
 
 
 def _startup_checks(monkeypatch, world_size, argv, model=False, edit=None):
@@ -165,6 +183,20 @@ def test_what_megatron_would_reject_later_fails_at_start_up(monkeypatch, case, a
 @pytest.mark.parametrize("case, world_size, argv, pattern", BAD, ids=[case[0] for case in BAD])
 def test_unsupported_settings_fail_before_distributed_init_naming_the_flag(monkeypatch, case, world_size, argv,
                                                                            pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _startup_checks(monkeypatch, world_size, argv)
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("case, world_size, argv, pattern", BAD_CORE_V019, ids=[case[0] for case in BAD_CORE_V019])
+def test_core_v019_settings_libra_does_not_take_fail_naming_the_flag(monkeypatch, megatron_lm_release, case,
+                                                                     world_size, argv, pattern):
+    if release_line(megatron_lm_release) == "0.16":  # not a core_v0.16 flag: its real parse_args rejects it
+        import_megatron_training()
+        from libra_megatron.megatron.args import parse_megatron_args
+
+        assert not hasattr(parse_megatron_args(REPO / "pretrain_gpt.py", argv), argv[-1][2:].replace("-", "_"))
+        return
     with pytest.raises(ValueError, match=pattern):
         _startup_checks(monkeypatch, world_size, argv)
 
@@ -293,10 +325,11 @@ def test_help_without_megatron_lm_shows_the_launchers_flags(tmp_path):
 
 @needs_megatron_lm
 def test_help_with_megatron_lm_adds_megatrons_flags_and_libras(megatron_lm_path, tmp_path):
-    result = _launch(["--help"], {"MEGATRON_LM_PATH": megatron_lm_path}, cwd=tmp_path)
+    result = _launch(["--help"], {"MEGATRON_LM_PATH": megatron_lm_path}, module=_harness_unless_paired(),
+                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     launcher, megatron = result.stdout.split("Megatron-LM's pretrain_gpt.py flags", 1)
-    assert "--megatron-lm-path" in launcher
+    assert "--megatron-lm-path" in launcher and "--megatron-lm-release" in launcher
     assert "--num-layers" in megatron and "--libra-pool-size" in megatron and "--libra-config" in megatron
 
 
@@ -310,3 +343,20 @@ def test_cpu_pretrain_script_checks_once_before_torchrun_starts_any_rank(megatro
     line = _one_error_line(result)
     assert "(heads per tensor-parallel rank: --num-attention-heads 4 / --tensor-model-parallel-size 2)" in line
     assert result.stdout == ""
+
+
+def test_a_core_v019_tree_beside_the_installed_megatron_core_016_is_one_line(tmp_path):
+    """The product launcher (CUDA faked, nothing else) with the core_v0.19.0 tree on this Python 3.11 install:
+    the tree goes after the installed megatron-core 0.16.1, and the pairing check refuses the mix in one line."""
+    from .megatron_lm import megatron_lm_path
+
+    tree = megatron_lm_path("core_v0.19.0")
+    code = ("import sys, torch; torch.cuda.is_available = lambda: True; from libra_megatron.launch import main; "
+            "main(sys.argv[1:])")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MEGATRON_LM_PATH=tree, WORLD_SIZE="2")
+    result = subprocess.run([sys.executable, "-c", code, "--check-only"] + GOOD, capture_output=True, text=True,
+                            env=env, timeout=300, cwd=tmp_path)
+    line = _one_error_line(result)
+    assert line.startswith("libra_megatron.launch: error: megatron-core 0.16.1 (")
+    assert line.endswith(f"does not pair with the Megatron-LM tree {tree} (version 0.19.1): install megatron-core "
+                         f"0.19.x, or use the tree of release core_v0.16.1")

@@ -1,4 +1,5 @@
-"""Against the real Megatron-LM (core_v0.16.1): patch targets, parse_args with our provider, the model flags.
+"""Against the real Megatron-LM, once per release (core_v0.16.1, core_v0.19.0): patch targets, parse_args with our
+provider, the model flags.
 
 Megatron-LM comes from the project's getter (``libra_megatron.megatron_lm``); under CI these tests fail,
 never skip, when it cannot be had. The model / data-loader / forward step tests run in gloo processes
@@ -11,9 +12,9 @@ import pytest
 
 from .megatron_lm import (
     REPO,
-    TINY_MODEL_ARGS,
     import_megatron_training,
     needs_megatron_lm,
+    tiny_model_args,
 )
 
 pytestmark = needs_megatron_lm
@@ -69,8 +70,9 @@ def _targets():
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
+    from_imported = {"initialize.parse_args": (initialize, "parse_args")} if hasattr(initialize, "parse_args") else {}
     return {
-        "arguments.parse_args": (arguments, "parse_args"), "initialize.parse_args": (initialize, "parse_args"),
+        "arguments.parse_args": (arguments, "parse_args"), **from_imported,
         "ps.initialize_model_parallel": (ps, "initialize_model_parallel"),
         "ps.destroy_model_parallel": (ps, "destroy_model_parallel"),
         "samplers.build_pretraining_data_loader": (samplers, "build_pretraining_data_loader"),
@@ -89,8 +91,9 @@ def test_install_all_replaces_every_target_and_undo_restores_them():
     try:
         after = {name: getattr(mod, attr) for name, (mod, attr) in _targets().items()}
         assert all(after[name] is not before[name] for name in before), "a target was not replaced"
-        # from-imported names must point at the same wrapper as their defining module
-        assert after["arguments.parse_args"] is after["initialize.parse_args"]
+        # from-imported names must point at the same wrapper as their defining module (core_v0.16 only:
+        # core_v0.19's initialize.py no longer imports parse_args)
+        assert after.get("initialize.parse_args", after["arguments.parse_args"]) is after["arguments.parse_args"]
         assert after["samplers.build_pretraining_data_loader"] is after["training.build_pretraining_data_loader"]
     finally:
         patcher.undo()
@@ -123,14 +126,17 @@ def _program_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _parse(monkeypatch, argv, provider=None):
+    """The ``parse_args`` name Megatron-LM's own caller uses: ``initialize_megatron``'s (core_v0.16) or
+    ``arguments.parse_and_validate_args``'s (core_v0.19), both patched."""
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
 
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + argv)
-    return initialize.parse_args(provider)  # the name initialize_megatron calls
+    return getattr(initialize, "parse_args", arguments.parse_args)(provider)
 
 
 def test_real_parse_args_sees_libra_flags_next_to_the_programs_provider(installed, monkeypatch):
-    argv = TINY_MODEL_ARGS + ["--seq-length", "256", "--libra-pool-size", "4", "--libra-block-size", "512",
+    argv = tiny_model_args() + ["--seq-length", "256", "--libra-pool-size", "4", "--libra-block-size", "512",
                               "--libra-tile-placement", "home", "--program-flag", "7"]
     args = _parse(monkeypatch, argv, _program_provider)
     assert (args.libra_pool_size, args.libra_block_size, args.program_flag) == (4, 512, 7)
@@ -140,7 +146,7 @@ def test_real_parse_args_sees_libra_flags_next_to_the_programs_provider(installe
 
 def test_bad_libra_flag_value_is_rejected_by_argparse_naming_the_flag(installed, monkeypatch, capsys):
     with pytest.raises(SystemExit):
-        _parse(monkeypatch, TINY_MODEL_ARGS + ["--libra-pool-size", "two"])
+        _parse(monkeypatch, tiny_model_args() + ["--libra-pool-size", "two"])
     assert "--libra-pool-size" in capsys.readouterr().err
 
 
@@ -150,7 +156,7 @@ def test_libra_validation_names_the_flag_and_arithmetic(installed, monkeypatch):
     from libra_megatron.megatron.args import libra_config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    args = _parse(monkeypatch, TINY_MODEL_ARGS + ["--seq-length", "256", "--max-position-embeddings", "256",
+    args = _parse(monkeypatch, tiny_model_args() + ["--seq-length", "256", "--max-position-embeddings", "256",
                                                   "--global-batch-size", "12",
                                                   "--libra-pool-size", "3"])
     args.world_size = 4

@@ -206,8 +206,8 @@ def test_model_parallel_target_matches_installed_megatron_core():
     from megatron.core import parallel_state
     from libra_megatron.patches.model_parallel import DESTROY_MODEL_PARALLEL, INITIALIZE_MODEL_PARALLEL
 
-    assert resolve_target(INITIALIZE_MODEL_PARALLEL) is parallel_state.initialize_model_parallel
-    assert resolve_target(DESTROY_MODEL_PARALLEL) is parallel_state.destroy_model_parallel
+    assert resolve_target(INITIALIZE_MODEL_PARALLEL["0.16"]) is parallel_state.initialize_model_parallel
+    assert resolve_target(DESTROY_MODEL_PARALLEL["0.16"]) is parallel_state.destroy_model_parallel
 
 
 def test_patch_point_table_names_existing_modules():
@@ -215,3 +215,107 @@ def test_patch_point_table_names_existing_modules():
     for point in PATCH_POINTS:
         assert (repo_root / point.module).is_file(), point
         assert point.targets and point.why
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.1", "0.19.2+abc"])
+def test_both_supported_release_lines_are_accepted(version):
+    check_megatron_core_version(version)
+
+
+def test_every_patch_point_has_a_verified_target_per_release():
+    """Each table of exact parameter lists / source lines covers core_v0.16 and core_v0.19, no other."""
+    from libra_megatron.patches import data_loader, get_batch, model_parallel, parse_args, training_log
+    from libra_megatron.patches._base import RELEASE_TAGS
+
+    tables = [parse_args.PARSE_ARGS, parse_args.CALLERS, parse_args.FROM_IMPORTERS,
+              model_parallel.INITIALIZE_MODEL_PARALLEL, model_parallel.DESTROY_MODEL_PARALLEL, model_parallel.CALLER,
+              data_loader.BUILD_LOADER, get_batch.PRETRAIN, get_batch.FORWARD_STEP_FRAGMENTS,
+              training_log.TRAINING_LOG]
+    assert RELEASE_TAGS == {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0"}
+    for table in tables:
+        assert sorted(table) == ["0.16", "0.19"], table
+        for line, spec in table.items():
+            assert not isinstance(spec, TargetSpec) or spec.release == line
+
+
+def test_a_target_of_another_release_is_refused_naming_that_release(fake_module):
+    """core_v0.19's parse_args table entry read against a module shaped like something else names core_v0.19.0."""
+    fake_module("fake_megatron_args", TARGET_SOURCE.replace("ignore_unknown_args=False", "strict=True"))
+    spec19 = TargetSpec("fake_megatron_args", "parse_args", SPEC.params, SPEC.source_fragments, "0.19")
+    with pytest.raises(PatchTargetChanged, match=r"expected parameters .* \(core_v0\.19\.0\), found"):
+        resolve_target(spec19)
+
+
+FORWARD_STEP_SOURCE_019 = '''
+BATCH_KEYS = ["attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+              "loss_mask", "max_seqlen", "position_ids", "tokens"]
+
+
+class PackedSeqParams:
+    def __init__(self, **fields):
+        self.fields = fields
+
+
+def get_batch(data_iterator, vp_stage=None):
+    return [None] * len(BATCH_KEYS)
+
+
+def forward_step(data_iterator, model):
+    vp_stage = None
+    (
+        attention_mask, cu_seqlens, cu_seqlens_padded, hybrid_cp_group, labels, local_cp_size, loss_mask,
+        max_seqlen, position_ids, tokens,
+    ) = get_batch(data_iterator, vp_stage)
+    packed_seq_params = None
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.squeeze(0)
+        packed_seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                                            max_seqlen_q=int(max_seqlen.item()))
+    return model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
+'''
+
+
+class _Carrier:
+    """What the Libra get_batch returns as its sixth value (a LibraPackedSeqParams, here a plain record)."""
+
+    def __init__(self, cu_seqlens, max_seqlen):
+        self.cu_seqlens_q, self.max_seqlen_q = cu_seqlens, max_seqlen
+
+
+def test_core_v019_forward_step_gets_the_libra_carrier_not_an_upstream_thd_one(fake_module):
+    """core_v0.19: get_batch returns the BATCH_KEYS values and forward_step builds PackedSeqParams itself; the
+    model must receive the Libra carrier of the same batch, and upstream's max_seqlen.item() a host tensor."""
+    torch = pytest.importorskip("torch")
+    program = fake_module("fake_pretrain_gpt_019", FORWARD_STEP_SOURCE_019)
+    carriers = [_Carrier(torch.tensor([0, 3, 8], dtype=torch.int32), 5),
+                _Carrier(torch.tensor([0, 8], dtype=torch.int32), 8)]
+
+    def make(original):
+        assert original(None) == [None] * 10
+
+        def libra_get_batch(data_iterator, vp_stage=None):
+            return ("tokens", "labels", "loss_mask", None, "positions", carriers[next(data_iterator)])
+
+        return libra_get_batch
+
+    swap_get_batch(program.forward_step, make, release="0.19")
+    seen = [program.forward_step(iter([i]), lambda *a, **k: (a, k)) for i in (0, 1)]
+    for (args, kwargs), carrier in zip(seen, carriers):
+        assert args == ("tokens", "positions", None) and kwargs["labels"] == "labels"
+        assert kwargs["packed_seq_params"] is carrier
+
+
+def test_core_v019_swap_refuses_a_program_with_other_batch_keys(fake_module):
+    program = fake_module("fake_pretrain_gpt_019", FORWARD_STEP_SOURCE_019.replace('"tokens"]', '"tokens", "x"]'))
+    before = program.get_batch
+    with pytest.raises(PatchTargetChanged, match=r"expected BATCH_KEYS .* \(core_v0\.19\.0\)"):
+        swap_get_batch(program.forward_step, lambda original: original, release="0.19")
+    assert program.get_batch is before
+
+
+def test_core_v019_swap_refuses_a_forward_step_without_its_packed_seq_params_line(fake_module):
+    program = fake_module("fake_pretrain_gpt_019", FORWARD_STEP_SOURCE_019.replace(
+        "packed_seq_params = PackedSeqParams(", "packed_seq_params = dict("))
+    with pytest.raises(PatchTargetChanged, match=r"no longer matches core_v0\.19\.0: its source lacks "
+                                                 r"\['packed_seq_params = PackedSeqParams\('\]"):
+        swap_get_batch(program.forward_step, lambda original: original, release="0.19")

@@ -14,7 +14,7 @@ four layers:
 
 VRSP reorders a step's sequences and TAP moves tiles; neither changes the step's sample multiset, so every
 iteration's loss (a mean over the step's tokens) and grad norm must be the reference's up to fp32 rounding.
-The Megatron-LM tree is the ``megatron_lm_path`` fixture (one release per session).
+The Megatron-LM tree is the ``megatron_lm_path`` fixture, once per supported release (``megatron_lm_release``).
 """
 import pytest
 
@@ -39,9 +39,9 @@ PP2_VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pip
 DOCUMENT_MASK = ["--reset-attention-mask"]
 
 
-def pipeline_runs(corpus: str, megatron_lm: str, root) -> dict:
-    """The checkpoint, then the four runs of the module doc (``megatron_lm``: a Megatron-LM tree)."""
-    flags = common_flags(corpus, str(root / "index-cache")) + FOUR_LAYERS
+def pipeline_runs(corpus: str, megatron_lm: str, root, release: str = "core_v0.16.1") -> dict:
+    """The checkpoint, then the four runs of the module doc (``megatron_lm``: the tree of ``release``)."""
+    flags = common_flags(corpus, str(root / "index-cache"), release) + FOUR_LAYERS
     checkpoint = save_shared_checkpoint(flags + DOCUMENT_MASK, root, megatron_lm, TRAIN_ITERS)
     loaded = flags + resume_flags(checkpoint, TRAIN_ITERS)
 
@@ -57,8 +57,9 @@ def pipeline_runs(corpus: str, megatron_lm: str, root) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(linux_corpus, megatron_lm_path, tmp_path_factory):
-    return pipeline_runs(linux_corpus, megatron_lm_path, tmp_path_factory.mktemp("pipeline"))
+def runs(linux_corpus, megatron_lm_path, megatron_lm_release, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"pipeline-{megatron_lm_release}")
+    return pipeline_runs(linux_corpus, megatron_lm_path, root, megatron_lm_release)
 
 
 def _differences(run, reference) -> dict:

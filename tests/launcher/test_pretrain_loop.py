@@ -6,9 +6,11 @@ the linux-6.12 trace shipped in data/traces (median 367 tokens, max 41,356: seve
 per 1024-token sequence, a few sequences inside one long document); tokens are synthetic. Model: the tiny
 Qwen3-shaped GPT of ``configs/cpu/tiny-qwen3.args``. Four iterations of GBS=8 sequences, L=1024.
 
-Five runs, shared by the tests (about two minutes on two cores):
+Five runs per Megatron-LM release (core_v0.16.1, core_v0.19.0; the corpus is shared), shared by the tests
+(about two minutes per release on two cores):
 
-* DP=4, P=2, Libra (VRSP + TAP), ``--save`` every 2 iterations, TensorBoard;
+* DP=4, P=2, Libra (VRSP + TAP), ``--save`` every 2 iterations, TensorBoard, started with
+  ``scripts/cpu_pretrain.sh``;
 * DP=4, plain Megatron-LM: no ``--spec``/``--libra-*`` flags, ``--reset-attention-mask`` (Megatron's dense
   per-document causal mask), started with ``scripts/cpu_pretrain.sh --without-libra``;
 * DP=4, Libra resumed with ``--load`` from iteration 2 of the first run;
@@ -43,8 +45,9 @@ LIBRA_SCALARS = ("libra/inter_pool_r1_before", "libra/inter_pool_r1_after", "lib
 
 
 @pytest.fixture(scope="module")
-def common(linux_corpus, tmp_path_factory):
-    return common_flags(linux_corpus, str(tmp_path_factory.mktemp("index-cache")))
+def common(linux_corpus, megatron_lm_release, tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp(f"index-cache-{megatron_lm_release}"))
+    return common_flags(linux_corpus, cache, megatron_lm_release)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def dp4(common, megatron_lm_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("dp4")
     checkpoint = str(root / "checkpoint")
     libra = run_pretrain(4, common + LIBRA_FLAGS + ["--save", checkpoint, "--save-interval", "2"],
-                         root / "libra", megatron_lm_path).check()
+                         root / "libra", megatron_lm_path, via_script=True).check()
     plain = run_pretrain(4, common + ["--reset-attention-mask"], root / "plain", megatron_lm_path,
                          via_script=True, without_libra=True).check()
     resumed = run_pretrain(4, common + LIBRA_FLAGS + ["--load", checkpoint, "--ckpt-step", "2"],
@@ -70,6 +73,11 @@ def cp2(common, megatron_lm_path, tmp_path_factory):
     return {"libra": libra, "reference": reference}
 
 
+def _print_losses(name, run):
+    """The printed lm loss per iteration (docs/launcher.md quotes these lines)."""
+    print(f"\n{name}: printed lm loss " + " / ".join(run.printed[it]["lm loss"] for it in sorted(run.printed)))
+
+
 def _assert_parity(name, run, reference):
     """Printed lm loss per iteration (same start iteration, same print quirk) and TensorBoard's full-precision
     lm loss and grad norm (Megatron prints the grad norm with 3 decimals) within 1e-4 relative."""
@@ -85,8 +93,10 @@ def _assert_parity(name, run, reference):
     assert printed <= TOLERANCE and loss <= TOLERANCE and grad_norm <= TOLERANCE
 
 
-def test_dp4_pool2_libra_matches_plain_megatron_lm_per_iteration(dp4):
-    _assert_parity("DP=4 P=2 Libra vs plain Megatron-LM", dp4["libra"], dp4["plain"])
+def test_dp4_pool2_libra_matches_plain_megatron_lm_per_iteration(dp4, megatron_lm_release):
+    for name in ("libra", "plain", "resumed"):
+        _print_losses(f"{megatron_lm_release} DP=4 {name}", dp4[name])
+    _assert_parity(f"{megatron_lm_release} DP=4 P=2 Libra vs plain Megatron-LM", dp4["libra"], dp4["plain"])
     losses = [dp4["plain"].scalars["lm loss"][it] for it in ITERATIONS]
     assert len(set(losses)) == TRAIN_ITERS  # the model trains: every iteration has its own loss
 

@@ -1,4 +1,5 @@
-"""The shipped Qwen3 run configs (configs/qwen3-*.args) against the real Megatron-LM core_v0.16.1.
+"""The shipped Qwen3 run configs (configs/qwen3-*.args) against the real Megatron-LM, once per release
+(core_v0.16.1, core_v0.19.0: the ``megatron_lm_path`` fixture).
 
 1. Full size: Megatron's own parse_args + validate_args at each config's smallest job, then Libra's checks
    (``check_supported_layout``, the Libra config against the per-TP-rank heads the planner sees), and the
@@ -16,15 +17,15 @@ import sys
 
 import pytest
 
-from .megatron_lm import REPO, emulate_hopper_for_argument_validation, megatron_lm_path
+from .megatron_lm import REPO, emulate_hopper_for_argument_validation, release_config_args
 
 RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
 SCALED_FLAGS = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size", "--num-experts"}
 
 
 @pytest.fixture(scope="module")
-def megatron_lm(tmp_path_factory):
-    root = megatron_lm_path()  # the getter; fails under CI, skips elsewhere
+def megatron_lm(megatron_lm_path):
+    root = megatron_lm_path  # the getter's tree of the test's release; fails under CI, skips elsewhere
     previous = os.environ.get("MEGATRON_LM_PATH")
     os.environ["MEGATRON_LM_PATH"] = root  # read by put_megatron_lm_on_path, here and in worker processes
     yield root
@@ -51,10 +52,11 @@ def libra_parse_args(megatron_lm, monkeypatch):
     patcher = patches.install_all(LibraHooks())
 
     def parse(argv):
+        import megatron.training.arguments as arguments
         import megatron.training.initialize as initialize
 
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + argv)
-        return initialize.parse_args()
+        return getattr(initialize, "parse_args", arguments.parse_args)()  # core_v0.16's caller's name, or 0.19's
 
     yield parse
     patcher.undo()
@@ -74,7 +76,7 @@ def test_config_passes_megatron_and_libra_validation_at_its_smallest_job(config,
     monkeypatch.chdir(REPO)
     gpus = _smallest_job(config)
     monkeypatch.setenv("WORLD_SIZE", str(gpus))
-    args = libra_parse_args(expand_args_files(["--megatron-args-file", str(config)])
+    args = libra_parse_args(expand_args_files(["--megatron-args-file", str(config)] + release_config_args())
                             + ["--train-iters", "10", "--mock-data"])
     args.world_size = gpus
     validate_args(args, {})
