@@ -228,6 +228,20 @@ def _launch(args, env_extra=None, module="libra_megatron.launch", cwd=None):
                           timeout=300, cwd=cwd)
 
 
+def _check_only(args, env_extra, cwd):
+    """``--check-only`` with no GPU and no CUDA emulation: the product launcher where the test's release pairs
+    with the installed megatron-core; else (core_v0.19 on Python 3.11, test-only) the launcher with only the CPU
+    harness's import set-up of that tree (its own megatron/core first), still without CUDA."""
+    if _harness_unless_paired() == "libra_megatron.launch":
+        return _launch(["--check-only"] + args, env_extra, cwd=cwd)
+    code = ("import sys; from libra_megatron import launch; from libra_megatron.testing import cpu_shims; "
+            "launch.main(sys.argv[1:], before_megatron_import=cpu_shims._before_megatron_import)")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **env_extra)
+    env.pop("LIBRA_DEBUG", None)
+    return subprocess.run([sys.executable, "-c", code, "--check-only"] + args, capture_output=True, text=True,
+                          env=env, timeout=300, cwd=cwd)
+
+
 def _one_error_line(result):
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
@@ -254,8 +268,8 @@ def test_no_cuda_is_one_line_pointing_to_the_cpu_harness(megatron_lm_path, tmp_p
 
 @needs_megatron_lm
 def test_check_only_without_a_gpu_passes_and_says_cuda_was_not_checked(megatron_lm_path, tmp_path):
-    result = _launch(["--check-only", "--check-device-capability", "10.0"] + GOOD,
-                     {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path)
+    result = _check_only(["--check-device-capability", "10.0"] + GOOD,
+                         {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and result.stdout == "", result.stderr + result.stdout
@@ -267,8 +281,8 @@ def test_check_only_without_a_gpu_passes_and_says_cuda_was_not_checked(megatron_
 
 @needs_megatron_lm
 def test_check_only_without_a_gpu_refuses_a_bad_setting_in_one_line(megatron_lm_path, tmp_path):
-    line = _one_error_line(_launch(["--check-only"] + _with_spec("libra_megatron.megatron.spec", "libra_nope_spec"),
-                                   {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path))
+    line = _one_error_line(_check_only(_with_spec("libra_megatron.megatron.spec", "libra_nope_spec"),
+                                       {"MEGATRON_LM_PATH": megatron_lm_path, "WORLD_SIZE": "2"}, cwd=tmp_path))
     assert line.endswith("libra_megatron.megatron.spec has no attribute 'libra_nope_spec'")
 
 
