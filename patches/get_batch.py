@@ -71,6 +71,22 @@ GetBatch = Callable[..., Any]
 DatasetRule = Callable[..., bool]
 
 
+def _verified_global(func: Callable[..., Any], name: str, params: tuple, where: str, tag: str,
+                     why: str) -> tuple:
+    """``(func's module globals, the callable global name)``, verified to take exactly ``params``; else
+    ``PatchTargetChanged`` naming ``where`` and the release ``tag``."""
+    module_globals = getattr(func, "__globals__", None)
+    original = None if module_globals is None else module_globals.get(name)
+    if original is None or not callable(original):
+        raise PatchTargetChanged(f"{where} has no module-level {name} to replace ({tag} pretrain_gpt.py defines "
+                                 f"one); {why}")
+    found = tuple(inspect.signature(original).parameters)
+    if found != params:
+        raise PatchTargetChanged(f"{name} used by {where} changed its signature: expected parameters "
+                                 f"{list(params)} ({tag}), found {list(found)}")
+    return module_globals, original
+
+
 def swap_get_batch(forward_step_func: Callable[..., Any], make_get_batch: Callable[[GetBatch], GetBatch],
                    release: str = "0.16") -> GetBatch:
     """Replace the ``get_batch`` global that ``forward_step_func`` calls (and, core_v0.19, its
@@ -83,19 +99,8 @@ def swap_get_batch(forward_step_func: Callable[..., Any], make_get_batch: Callab
     fragments = spec_for(FORWARD_STEP_FRAGMENTS, release)
     tag = spec_for(PRETRAIN, release).tag
     where = f"{getattr(forward_step_func, '__module__', '?')}.forward_step"
-    module_globals = getattr(inspect.unwrap(forward_step_func), "__globals__", None)
-    original = None if module_globals is None else module_globals.get("get_batch")
-    if original is None or not callable(original):
-        raise PatchTargetChanged(
-            f"{where} has no module-level get_batch to replace ({tag} pretrain_gpt.py defines one); "
-            f"the Libra batch path needs the pretrain_gpt.py forward_step"
-        )
-    found = tuple(inspect.signature(original).parameters)
-    if found != GET_BATCH_PARAMS:
-        raise PatchTargetChanged(
-            f"get_batch used by {where} changed its signature: expected parameters {list(GET_BATCH_PARAMS)} "
-            f"({tag}), found {list(found)}"
-        )
+    module_globals, original = _verified_global(inspect.unwrap(forward_step_func), "get_batch", GET_BATCH_PARAMS,
+                                                where, tag, "the Libra batch path needs the pretrain_gpt.py forward_step")
     require_source_fragments(where, inspect.unwrap(forward_step_func), fragments, tag)
     libra_get_batch = make_get_batch(original)
     if release == "0.16":
@@ -121,19 +126,8 @@ def swap_dataset_rule(dataset_provider: Callable[..., Any], make_rule: Callable[
     tag = spec_for(PRETRAIN, release).tag
     provider = inspect.unwrap(getattr(dataset_provider, "func", dataset_provider))  # a functools.partial too
     where = f"{getattr(provider, '__module__', '?')}.{getattr(provider, '__name__', 'dataset provider')}"
-    module_globals = getattr(provider, "__globals__", None)
-    original = None if module_globals is None else module_globals.get("is_dataset_built_on_rank")
-    if original is None or not callable(original):
-        raise PatchTargetChanged(
-            f"{where} has no module-level is_dataset_built_on_rank to replace ({tag} pretrain_gpt.py "
-            f"defines one); Libra needs every pipeline stage to read the sample index"
-        )
-    found = tuple(inspect.signature(original).parameters)
-    if found != params:
-        raise PatchTargetChanged(
-            f"is_dataset_built_on_rank used by {where} changed its signature: expected parameters "
-            f"{list(params)} ({tag}), found {list(found)}"
-        )
+    module_globals, original = _verified_global(provider, "is_dataset_built_on_rank", params, where, tag,
+                                                "Libra needs every pipeline stage to read the sample index")
     require_source_fragments(where, provider, fragments, tag)
     module_globals["is_dataset_built_on_rank"] = make_rule(original)
     return original
