@@ -197,3 +197,23 @@ def emulate_hopper_for_argument_validation(monkeypatch) -> None:
         monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def pairs_with_installed_megatron_core(release: Optional[str] = None) -> bool:
+    """Whether ``release`` (default: the imported one) is the installed megatron-core's release line. Where it
+    is not (core_v0.19 on this Python 3.11 install, test-only), the launcher needs the CPU harness's import
+    set-up of the tree (``cpu_shims._before_megatron_import``): its own megatron/core first."""
+    from importlib import metadata
+
+    return release_line(metadata.version("megatron-core")) == release_line(release or active_release())
+
+
+def launcher_import_set_up():
+    """``before_megatron_import`` for an in-process ``launch.main``: None (exactly the user's launcher) where the
+    release pairs with the installed megatron-core; else (core_v0.19 on Python 3.11, test-only) the CPU
+    harness's import set-up of the tree, without its CUDA emulation."""
+    if pairs_with_installed_megatron_core():
+        return None
+    from libra_megatron.testing import cpu_shims
+
+    return cpu_shims._before_megatron_import

@@ -105,7 +105,6 @@ def _step(rank, world_size, hooks, args):
     import megatron.training.global_vars as global_vars
     import megatron.training.training as training
     import pretrain_gpt
-    from libra_megatron.patches.get_batch import swap_get_batch
 
     from libra_megatron.megatron.attention import LibraCoreAttention
     from libra_megatron.megatron.groups import get_pool_group

@@ -14,7 +14,8 @@ import pytest
 
 from libra_megatron.megatron_lm import release_line
 
-from .megatron_lm import REPO, TINY_MODEL_ARGS, active_release, import_megatron_training, needs_megatron_lm
+from .megatron_lm import (REPO, TINY_MODEL_ARGS, import_megatron_training, launcher_import_set_up,
+                          needs_megatron_lm, pairs_with_installed_megatron_core)
 
 SPEC = ["--spec", "libra_megatron.megatron.spec", "libra_local_qk_spec"]
 GOOD = TINY_MODEL_ARGS + SPEC + ["--seq-length", "256", "--max-position-embeddings", "256",
@@ -63,11 +64,7 @@ BAD_CORE_V019 = [  # flags that exist from core_v0.19 on (core_v0.16's argparse 
 def _harness_unless_paired():
     """The product launcher when the test's release pairs with the installed megatron-core; else (core_v0.19 on
     Python 3.11, test-only) the CPU harness, whose import set-up puts that tree's own megatron/core first."""
-    from importlib import metadata
-
-    if release_line(metadata.version("megatron-core")) == release_line(active_release()):
-        return "libra_megatron.launch"
-    return "libra_megatron.testing.cpu_shims"
+    return "libra_megatron.launch" if pairs_with_installed_megatron_core() else "libra_megatron.testing.cpu_shims"
 
 
 def _startup_checks(monkeypatch, world_size, argv, model=False, edit=None):
@@ -301,7 +298,7 @@ def test_check_only_runs_every_check_before_any_distributed_start(megatron_lm_pa
     monkeypatch.setenv("MEGATRON_LM_PATH", megatron_lm_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as done:
-        launch.main(["--check-only"] + GOOD + ["--window-size", "64,0"])
+        launch.main(["--check-only"] + GOOD + ["--window-size", "64,0"], before_megatron_import=launcher_import_set_up())
     assert done.value.code == 2 and not dist.is_initialized()
     assert capsys.readouterr().err.strip().endswith("drop --window-size (and --window-attn-skip-freq)")
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from .megatron_lm import REPO, emulate_hopper_for_argument_validation, release_config_args
+from .megatron_lm import REPO, emulate_hopper_for_argument_validation, launcher_import_set_up, release_config_args
 
 RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
 SCALED_FLAGS = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size", "--num-experts"}
@@ -118,7 +118,8 @@ def test_check_only_passes_the_config_at_full_size_without_a_gpu(config, megatro
     monkeypatch.setenv("WORLD_SIZE", str(_smallest_job(config)))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # what the torchrun scripts export
     with pytest.raises(SystemExit) as done:
-        launch.main(["--check-only", "--megatron-args-file", str(config)])
+        launch.main(["--check-only", "--megatron-args-file", str(config)] + release_config_args(),
+                    before_megatron_import=launcher_import_set_up())
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert done.value.code == 0, line
     assert not dist.is_initialized()
