@@ -18,7 +18,6 @@ cores, so compute and gloo's communication threads contend; the numbers are CPU 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 

@@ -102,7 +102,7 @@ def _order_microbatches(flops: np.ndarray, grid: np.ndarray, layout: SyncLayout)
 def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
     """PP > 1: Algorithm 1's pool instances, dealt to lanes (exact-cardinality LPT over pool loads, then swaps)
     and ordered inside each lane (``_order_microbatches``)."""
-    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    ga, pool = layout.num_microbatches, layout.pool_size
     pools = place_sequences(flops, pool, SequencePlacement.ALG1).reshape(-1, pool)  # [K, P]
     loads = flops[pools].sum(axis=1)
     by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices

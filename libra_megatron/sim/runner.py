@@ -443,7 +443,7 @@ class _Window:
 
 
 def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
-    gbs, dp, cp = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size
+    gbs, cp = spec.global_batch_size, spec.context_parallel_size
     ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
     heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
     uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
