@@ -119,6 +119,14 @@ def _mla(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _overlap_moe_ep_comm(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return ("--overlap-moe-expert-parallel-comm: Megatron-LM's forward_step for it (build_schedule_plan) "
+                "passes no packed_seq_params, so Libra's document boundaries and plan cannot reach attention; "
+                "drop the flag")
+    return None
+
+
 def _reset_position_ids_with_cp(args: argparse.Namespace) -> Optional[str]:
     """--reset-position-ids selects the THD carrier, whose RoPE megatron-core 0.16 splits per document
     under its own CP layout, not Libra's token layout: exact only at CP = 1 (see _check_rope_layout)."""
@@ -139,7 +147,7 @@ def _libra_spec(args: argparse.Namespace) -> Optional[str]:
 
 
 _LAYOUT_RULES = (_attention_dropout, _dataloader, _hybrid_cp, _inter_document_masking,
-                 _local_attention_backend, _mla, _reset_position_ids_with_cp, _libra_spec)
+                 _local_attention_backend, _mla, _overlap_moe_ep_comm, _reset_position_ids_with_cp, _libra_spec)
 """Megatron settings the Libra path cannot run with; each returns the error (naming the flag) or None."""
 
 
