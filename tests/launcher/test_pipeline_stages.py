@@ -85,3 +85,20 @@ def test_plain_megatron_lm_drops_the_document_mask_on_middle_stages_where_libra_
     libra = _differences(runs["libra-pp4"], runs["reference"])
     print(f"\nplain Megatron-LM PP=4 vs PP=1 (both --reset-attention-mask): {plain}; Libra PP=4: {libra}")
     assert plain["lm loss"] > 10 * TOLERANCE >= 10 * libra["lm loss"]
+
+
+@pytest.mark.parametrize("layout", ["libra-pp4", "libra-pp2-vpp2"])
+def test_microbatch_spread_of_the_worst_worker_is_logged_and_libra_is_no_worse_than_the_sampler_order(runs, layout):
+    """The Fig. 12 bubble proxy: per step, max/mean over the GA microbatches of the worst worker's Eq. 6 load,
+    VRSP order as TAP places it (after) vs the sampler's order at home (before). The window's VRSP applies
+    wherever it rebalanced the pools (inter-pool R-1 lowered); there Libra's spread must be no worse, and in
+    at least one step strictly better (so swapping the two would fail)."""
+    s = runs[layout].scalars
+    before, after = s["libra/microbatch_max_mean_before"], s["libra/microbatch_max_mean_after"]
+    print(f"\n{layout} microbatch max/mean of the worst worker per iteration: before {before}, after {after}")
+    assert sorted(before) == sorted(after) == list(LOADED_ITERATIONS)
+    assert all(min(before[it], after[it]) >= 1 for it in LOADED_ITERATIONS)
+    rebalanced = [it for it in LOADED_ITERATIONS
+                  if s["libra/inter_pool_r1_after"][it] < s["libra/inter_pool_r1_before"][it]]
+    assert rebalanced and all(after[it] <= before[it] for it in rebalanced)
+    assert any(after[it] < before[it] for it in rebalanced)
