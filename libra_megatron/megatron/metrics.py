@@ -2,7 +2,8 @@
 
 All functions return flat ``{name: float}`` dicts (names are TensorBoard tags under ``libra/``).
 ``microbatch_max_mean_*`` (the pipeline-bubble proxy of Fig. 12) are max/mean over a step's GA microbatches
-of the worst worker's Eq. 6 load, >= 1 (1 = every microbatch takes as long as the others).
+of the worst worker's Eq. 6 load, >= 1 (1 = every microbatch takes as long as the others), and
+``microbatch_slowest_after_over_before`` the slowest of them, VRSP + TAP over the sampler order at home.
 Units: imbalance is ``R - 1 = max/mean - 1`` (§3.2) of attention workload proxies -- Eq. 4
 ``F_i = sum_j l_ij^2`` per packed sequence for the inter-pool level, Eq. 6 causal pairs per tile for the
 intra-pool level. Bytes are per transformer layer, forward, remote only (Eq. 8 volumes).
@@ -64,15 +65,21 @@ def microbatch_metrics(window_segments: Sequence[Sequence[int]], order: Sequence
     before: the sampler's order (Megatron's: position n on DP rank n % DP at GA n // DP), every tile at its
     Q-home (no TAP). after: the VRSP ``order``, tiles as TAP places them (``config.tile_placement``, the
     planner's ``plan.pool.place_pool_tiles``). ``config``/``layout``/``heads``: the planner's.
+    ``microbatch_slowest_after_over_before``: the slowest microbatch's worst worker, after / before. The
+    spread alone can rise while every microbatch gets faster (sampler-order microbatches that all hold one
+    L-token document have the same worst worker: spread 1), so both are reported.
     """
     home = config.replace(tile_placement=TilePlacement.HOME)
     contiguous = np.arange(len(window_segments), dtype=np.int64)
-    out = {}
+    per_ga = {}
     for name, run_order, pool_config in (("before", contiguous, home), ("after", order, config)):
         worst = [_worst_worker_load(pool, pool_config, layout, heads)
                  for pool in _window_pools(window_segments, run_order, config.pool_size)]
-        out[f"microbatch_max_mean_{name}"] = _max_over_mean(
-            microbatch_worst_workers(worst, data_parallel_size, config.pool_size))
+        per_ga[name] = microbatch_worst_workers(worst, data_parallel_size, config.pool_size)
+    out = {f"microbatch_max_mean_{name}": _max_over_mean(loads) for name, loads in per_ga.items()}
+    slowest_before = float(per_ga["before"].max())
+    out["microbatch_slowest_after_over_before"] = (float(per_ga["after"].max()) / slowest_before
+                                                   if slowest_before > 0 else 1.0)
     return out
 
 

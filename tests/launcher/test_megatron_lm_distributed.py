@@ -141,4 +141,5 @@ def _microbatch_expected(sbhd, config_dict):
     after = [plan_pool(pool, config, TokenLayout("contiguous", SEQ_LEN, 1), heads).placement.loads.max()
              for pool in pools]
     return {"libra/microbatch_max_mean_before": pytest.approx(max(before) / np.mean(before)),
-            "libra/microbatch_max_mean_after": pytest.approx(max(after) / np.mean(after))}
+            "libra/microbatch_max_mean_after": pytest.approx(max(after) / np.mean(after)),
+            "libra/microbatch_slowest_after_over_before": pytest.approx(max(after) / (heads.num_q_heads * max(before)))}

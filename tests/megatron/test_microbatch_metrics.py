@@ -32,6 +32,7 @@ def test_max_over_mean_of_home_loads_matches_the_hand_computation():
     # sampler order: pools {136, 72} {40, 136} at GA 0 -> 136; {24, 88} {16, 56} at GA 1 -> 88
     assert out["microbatch_max_mean_before"] == pytest.approx(136 / ((136 + 88) / 2))
     assert out["microbatch_max_mean_after"] == pytest.approx(1.0)  # 136 at both GA indices
+    assert out["microbatch_slowest_after_over_before"] == pytest.approx(1.0)  # 136 at both orders
 
 
 def test_after_is_the_worst_worker_of_the_planners_tap_placement():
@@ -42,6 +43,7 @@ def test_after_is_the_worst_worker_of_the_planners_tap_placement():
     worst = [plan_pool([WINDOW[i] for i in pool], CONFIG, LAYOUT, HEADS).placement.loads.max() for pool in pools]
     per_ga = np.asarray(worst).reshape(-1, DP // P).max(axis=1)
     assert out["microbatch_max_mean_after"] == pytest.approx(per_ga.max() / per_ga.mean())
+    assert out["microbatch_slowest_after_over_before"] == pytest.approx(per_ga.max() / (HEADS.num_q_heads * 136))
     at_home = microbatch_metrics(WINDOW, order, DP, CONFIG.replace(tile_placement=TilePlacement.HOME), LAYOUT, HEADS)
     assert out["microbatch_max_mean_after"] < at_home["microbatch_max_mean_after"]
     assert out["microbatch_max_mean_before"] == at_home["microbatch_max_mean_before"]  # before is always at home
