@@ -119,6 +119,14 @@ def _mla(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _overlap_moe_ep_comm(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return ("--overlap-moe-expert-parallel-comm: Megatron-LM's forward_step for it (build_schedule_plan) "
+                "passes no packed_seq_params, so Libra's document boundaries and plan cannot reach attention; "
+                "drop the flag")
+    return None
+
+
 def _reset_position_ids_with_cp(args: argparse.Namespace) -> Optional[str]:
     """--reset-position-ids selects the THD carrier, whose RoPE megatron-core 0.16 splits per document
     under its own CP layout, not Libra's token layout: exact only at CP = 1 (see _check_rope_layout)."""
@@ -139,7 +147,7 @@ def _libra_spec(args: argparse.Namespace) -> Optional[str]:
 
 
 _LAYOUT_RULES = (_attention_dropout, _dataloader, _hybrid_cp, _inter_document_masking,
-                 _local_attention_backend, _mla, _reset_position_ids_with_cp, _libra_spec)
+                 _local_attention_backend, _mla, _overlap_moe_ep_comm, _reset_position_ids_with_cp, _libra_spec)
 """Megatron settings the Libra path cannot run with; each returns the error (naming the flag) or None."""
 
 
@@ -199,6 +207,8 @@ class LibraHooks:
         self.qkv_format = "sbhd"
         self.train_sampler: Any = None  # the train loader's LibraGlobalBatchSampler (TP rank 0 only)
         self.tp_cpu_group: Any = None  # gloo twin of this rank's TP group (sample broadcast without device syncs)
+        self._microbatch_jobs: dict = {}  # window -> Future of its microbatch_* scalars (computed a step ahead)
+        self._microbatch_executor: Any = None  # one background thread, on the rank that writes TensorBoard
 
     # ------------------------------------------------------------------ arguments
     def add_args(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -232,6 +242,9 @@ class LibraHooks:
     def on_model_parallel_destroyed(self) -> None:
         from .groups import destroy_pool_groups
 
+        if self._microbatch_executor is not None:
+            self._microbatch_executor.shutdown(wait=False, cancel_futures=True)
+            self._microbatch_executor, self._microbatch_jobs = None, {}
         if self.planner is not None and hasattr(self.planner, "close"):
             self.planner.close()
         self.planner = None
@@ -339,8 +352,31 @@ class LibraHooks:
             return
         values = _planner_metrics(self.planner)
         values.update(_window_metrics(self.train_sampler, get_args()))
+        values.update(self._microbatch_metrics(get_args(), iteration))
         if values:
             metrics.write_metrics(values, iteration, writer=writer)
+
+    def _microbatch_metrics(self, args: argparse.Namespace, iteration: int) -> dict:
+        """The trained window's ``microbatch_max_mean_*`` scalars (``metrics.microbatch_metrics``).
+
+        They re-tile and re-place every pool of the window (not only this rank's), so they are computed on
+        a background thread a step ahead: each call takes this window's and queues the next one's unless
+        ``iteration`` is the run's last (the first window of a run is computed here, once). Only the rank
+        that writes TensorBoard calls this.
+        """
+        sampler, window = self.train_sampler, _trained_window(self.train_sampler, args)
+        if window is None or self.planner is None:
+            return {}
+        job = self._microbatch_jobs.pop(window, None)
+        values = job.result() if job is not None else _microbatch_window_metrics(sampler, window, self.planner)
+        if _window_exists(sampler, window + 1) and iteration < int(getattr(args, "train_iters", 0) or 0):
+            if self._microbatch_executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._microbatch_executor = ThreadPoolExecutor(1, thread_name_prefix="libra-microbatch-metrics")
+            self._microbatch_jobs[window + 1] = self._microbatch_executor.submit(
+                _microbatch_window_metrics, sampler, window + 1, self.planner)
+        return values
 
     def _require_config(self) -> LibraConfig:
         if self.config is None:
@@ -488,18 +524,43 @@ def _packed_seq_params(cls: Any, qkv_format: str, batch: dict, plan: Any, pool_s
     )
 
 
-def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
-    """Inter-pool and lane R-1 (Eq. 4 workloads) of the last trained window, sampler order vs VRSP order."""
-    from ..plan.workload import sequence_flops
-    from .metrics import inter_pool_metrics
-
+def _trained_window(sampler: Any, args: argparse.Namespace) -> Optional[int]:
+    """The window of the step just trained (``args.consumed_train_samples``), or None (no sampler / none yet)."""
     window = int(getattr(args, "consumed_train_samples", 0) or 0) // int(args.global_batch_size) - 1
-    if sampler is None or window < 0:
-        return {}
+    return None if sampler is None or window < 0 else window
+
+
+def _window_exists(sampler: Any, window: int) -> bool:
+    return getattr(sampler, "dataloader_type", "single") != "single" or window < sampler.windows_per_epoch
+
+
+def _window_order(sampler: Any, window: int) -> tuple:
+    """(segments of the window's GBS samples in sampler order, the sampler's VRSP order of them)."""
+    from ..plan.workload import sequence_flops
+
     indices = sampler.window_indices(window)
     segments = [np.asarray(sampler.segments_fn(sampler.dataset, int(i)), dtype=np.int64) for i in indices]
-    order = sampler.placement_order(sequence_flops(segments))
+    return segments, sampler.placement_order(sequence_flops(segments))
+
+
+def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
+    """Inter-pool and lane R-1 (Eq. 4 workloads) of the last trained window, sampler order vs VRSP order."""
+    from .metrics import inter_pool_metrics
+
+    window = _trained_window(sampler, args)
+    if window is None:
+        return {}
+    segments, order = _window_order(sampler, window)
     return inter_pool_metrics(segments, order, sampler.pool_size, sampler.data_parallel_size)
+
+
+def _microbatch_window_metrics(sampler: Any, window: int, planner: Any) -> dict:
+    """``metrics.microbatch_metrics`` of ``window`` with the planner's config, token and head layouts."""
+    from .metrics import microbatch_metrics
+
+    segments, order = _window_order(sampler, window)
+    return microbatch_metrics(segments, order, sampler.data_parallel_size, planner.config, planner.layout,
+                              planner.heads)
 
 
 def _planner_metrics(planner: Any) -> dict:

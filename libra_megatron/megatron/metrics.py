@@ -1,6 +1,9 @@
 """Per-step Libra metrics: imbalance before/after each level of balancing, bytes moved, planner latency.
 
 All functions return flat ``{name: float}`` dicts (names are TensorBoard tags under ``libra/``).
+``microbatch_max_mean_*`` (the pipeline-bubble proxy of Fig. 12) are max/mean over a step's GA microbatches
+of the worst worker's Eq. 6 load, >= 1 (1 = every microbatch takes as long as the others), and
+``microbatch_slowest_after_over_before`` the slowest of them, VRSP + TAP over the sampler order at home.
 Units: imbalance is ``R - 1 = max/mean - 1`` (§3.2) of attention workload proxies -- Eq. 4
 ``F_i = sum_j l_ij^2`` per packed sequence for the inter-pool level, Eq. 6 causal pairs per tile for the
 intra-pool level. Bytes are per transformer layer, forward, remote only (Eq. 8 volumes).
@@ -12,13 +15,14 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
+from ..config import TilePlacement
 from ..plan.lanes import lane_loads
 from ..plan.placement import worker_loads
 from ..plan.sequences import pool_loads
 from ..plan.workload import imbalance, sequence_flops
 
-__all__ = ["inter_pool_metrics", "pool_plan_metrics", "aggregate_pool_metrics", "step_metrics", "write_metrics",
-           "format_metrics"]
+__all__ = ["inter_pool_metrics", "microbatch_metrics", "microbatch_worst_workers", "pool_plan_metrics",
+           "aggregate_pool_metrics", "step_metrics", "write_metrics", "format_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,54 @@ def inter_pool_metrics(window_segments: Sequence[Sequence[int]], order: Sequence
         out["lane_r1_before"] = imbalance(lane_loads(flops, contiguous, data_parallel_size, pool_size))
         out["lane_r1_after"] = imbalance(lane_loads(flops, order, data_parallel_size, pool_size))
     return out
+
+
+def microbatch_worst_workers(pool_worst: Sequence[float], data_parallel_size: int, pool_size: int) -> np.ndarray:
+    """float64 [GA]: per GA index g, the heaviest worker of the DP/P pools that run at g.
+
+    ``pool_worst[k]``: the heaviest worker load of pool k (window order); pool k runs at GA index
+    ``k*P // DP`` (``plan.sequences.assign_to_ranks``), so the DP/P pools of one GA index are consecutive.
+    """
+    return np.asarray(pool_worst, dtype=np.float64).reshape(-1, data_parallel_size // pool_size).max(axis=1)
+
+
+def microbatch_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], data_parallel_size: int,
+                       config: Any, layout: Any, heads: Any) -> Dict[str, float]:
+    """Pipeline-bubble proxy (Fig. 12) of one window: over its GA microbatches, max/mean of the worst
+    worker's Eq. 6 attention load (``microbatch_worst_workers``).
+
+    before: the sampler's order (Megatron's: position n on DP rank n % DP at GA n // DP), every tile at its
+    Q-home (no TAP). after: the VRSP ``order``, tiles as TAP places them (``config.tile_placement``, the
+    planner's ``plan.pool.place_pool_tiles``). ``config``/``layout``/``heads``: the planner's.
+    ``microbatch_slowest_after_over_before``: the slowest microbatch's worst worker, after / before. The
+    spread alone can rise while every microbatch gets faster (sampler-order microbatches that all hold one
+    L-token document have the same worst worker: spread 1), so both are reported.
+    """
+    home = config.replace(tile_placement=TilePlacement.HOME)
+    contiguous = np.arange(len(window_segments), dtype=np.int64)
+    per_ga = {}
+    for name, run_order, pool_config in (("before", contiguous, home), ("after", order, config)):
+        worst = [_worst_worker_load(pool, pool_config, layout, heads)
+                 for pool in _window_pools(window_segments, run_order, config.pool_size)]
+        per_ga[name] = microbatch_worst_workers(worst, data_parallel_size, config.pool_size)
+    out = {f"microbatch_max_mean_{name}": _max_over_mean(loads) for name, loads in per_ga.items()}
+    slowest_before = float(per_ga["before"].max())
+    out["microbatch_slowest_after_over_before"] = (float(per_ga["after"].max()) / slowest_before
+                                                   if slowest_before > 0 else 1.0)
+    return out
+
+
+def _window_pools(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int) -> list:
+    """The segments of every pool k = order[k*P:(k+1)*P] (window order)."""
+    order = np.asarray(order, dtype=np.int64).reshape(-1, pool_size)
+    return [[window_segments[i] for i in members] for members in order.tolist()]
+
+
+def _worst_worker_load(pool_segments: Sequence[Sequence[int]], config: Any, layout: Any, heads: Any) -> float:
+    from ..plan.pool import place_pool_tiles
+
+    _, placement = place_pool_tiles(pool_segments, config, layout, heads)
+    return float(np.max(placement.loads))
 
 
 def pool_plan_metrics(pool_plan: Any, planner_latency_s: Optional[float] = None) -> Dict[str, float]:

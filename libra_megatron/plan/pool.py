@@ -14,7 +14,7 @@ from .exchange import ExchangePlan, build_exchange_plan
 from .layout import HeadLayout, TokenLayout
 from .tiles import TileSet, build_tiles
 
-__all__ = ["PoolPlan", "plan_pool"]
+__all__ = ["PoolPlan", "plan_pool", "place_pool_tiles"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,17 +67,23 @@ def plan_pool(
     ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
     that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
     """
-    from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
-
     start = time.perf_counter()
-    _check_consistent(seq_segments, config, layout, heads)
-    tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
-                        kv_fetch=config.kv_fetch)
-    tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
-    placement = place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost)
+    tiles, placement = place_pool_tiles(seq_segments, config, layout, heads, tile_cost_model=tile_cost_model)
     exchange = build_exchange_plan(tiles, placement.assignment)
     if validate:
         from .validate import validate_plan
 
         validate_plan(exchange, tiles)
     return PoolPlan(tiles=tiles, placement=placement, exchange=exchange, seconds=time.perf_counter() - start)
+
+
+def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,
+                     heads: HeadLayout, *, tile_cost_model=None) -> tuple:
+    """(TileSet, TilePlacementResult) of one pool: ``plan_pool``'s tiles and TAP placement, no exchange plan."""
+    from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
+
+    _check_consistent(seq_segments, config, layout, heads)
+    tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
+                        kv_fetch=config.kv_fetch)
+    tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
+    return tiles, place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost)

@@ -38,6 +38,9 @@ BAD = [  # (case, world size, argv, message pattern)
      r"flag is not given\); pass --attention-dropout 0$"),
     ("hybrid-cp", 2, GOOD + ["--hybrid-context-parallel"], r"^--hybrid-context-parallel cannot be combined"),
     ("mla", 2, GOOD + ["--multi-latent-attention"], r"^--multi-latent-attention: .*not MLA$"),
+    ("overlap-moe-ep-comm", 2, GOOD + ["--overlap-moe-expert-parallel-comm"],
+     r"^--overlap-moe-expert-parallel-comm: Megatron-LM's forward_step for it \(build_schedule_plan\) passes "
+     r"no packed_seq_params, "),
     ("micro-batch-2", 2, _replace(GOOD, "--micro-batch-size", "2"),
      r"^Libra requires --micro-batch-size 1 \(one packed sequence per microbatch\), got 2$"),
     ("reset-position-ids-cp-2", 2, GOOD + ["--context-parallel-size", "2", "--reset-position-ids"],

@@ -120,4 +120,26 @@ def test_step_metrics_reach_megatrons_tensorboard_writer(run):
         expected["libra/inter_pool_r1_after"] = pytest.approx(max(after) / np.mean(after) - 1)
         # DP = P = 2: one lane runs every GA step, so its total is the window's and the lane R-1 is 0
         expected["libra/lane_r1_before"] = expected["libra/lane_r1_after"] = 0.0
+        expected.update(_microbatch_expected(sbhd, r["config"]))
         assert r["tensorboard"] == expected
+
+
+def _microbatch_expected(sbhd, config_dict):
+    """Window 0's microbatch_max_mean_* by hand: DP = P = 2 and CP = 1, so GA g runs one pool. Before: the
+    sampler's pool g (samples 2g, 2g+1) at home, where worker p's Eq. 6 load is hq * the causal pairs
+    (l(l+1)/2 per document) of its sequence. After: the planner's own plan of the pool the ranks ran at g."""
+    from libra_megatron.config import LibraConfig
+    from libra_megatron.plan.layout import HeadLayout, TokenLayout
+    from libra_megatron.plan.pool import plan_pool
+
+    segments = sbhd[0]["window_segments"]
+    pairs = [sum(l * (l + 1) // 2 for l in seq) for seq in segments]
+    before = [max(pairs[2 * g], pairs[2 * g + 1]) for g in range(GBS // 2)]
+    config = LibraConfig(**config_dict)
+    heads = HeadLayout(4, 2, 16, config.head_split, config.num_chunks, elem_bytes=4)  # TINY_MODEL_ARGS, fp32
+    pools = [[segments[r["window_sample_index"][g]] for r in sbhd] for g in range(GBS // 2)]
+    after = [plan_pool(pool, config, TokenLayout("contiguous", SEQ_LEN, 1), heads).placement.loads.max()
+             for pool in pools]
+    return {"libra/microbatch_max_mean_before": pytest.approx(max(before) / np.mean(before)),
+            "libra/microbatch_max_mean_after": pytest.approx(max(after) / np.mean(after)),
+            "libra/microbatch_slowest_after_over_before": pytest.approx(max(after) / (heads.num_q_heads * max(before)))}

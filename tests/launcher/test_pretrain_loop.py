@@ -41,7 +41,8 @@ ITERATIONS = range(1, TRAIN_ITERS + 1)
 LIBRA_SCALARS = ("libra/inter_pool_r1_before", "libra/inter_pool_r1_after", "libra/lane_r1_before",
                  "libra/lane_r1_after", "libra/intra_pool_max_over_mean_home",
                  "libra/intra_pool_max_over_mean_placed", "libra/bytes_q", "libra/bytes_kv", "libra/bytes_o",
-                 "libra/planner_latency_s")
+                 "libra/planner_latency_s", "libra/microbatch_max_mean_before", "libra/microbatch_max_mean_after",
+                 "libra/microbatch_slowest_after_over_before")
 
 
 @pytest.fixture(scope="module")
