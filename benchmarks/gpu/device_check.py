@@ -431,8 +431,8 @@ def _live_receive_buffers(stats):
     made, at_kernel = [], []
     saved = (routes.PendingExchange.__init__, routes.PendingExchange.placed, routes.PendingExchange.into)
 
-    def init(self, work, received, index, send=None):
-        saved[0](self, work, received, index, send)
+    def init(self, *args, **kwargs):  # PendingExchange's own parameters, passed through unchanged
+        saved[0](self, *args, **kwargs)
         made.append(weakref.ref(self))
 
     def consuming(original):
