@@ -35,6 +35,8 @@ class StepTimeModel:
     NVLink-class intra-node and 400 Gb/s-class inter-node links per GPU, 8 GPUs per node).
 
     first_gpu: global GPU index of pool worker 0; worker w sits on node (first_gpu + w) // gpus_per_node.
+    worker_nodes: when given, the node of every pool worker (a run's pool ranks // GPUs per node: with TP > 1
+        a pool's workers are not consecutive GPUs); it overrides first_gpu / gpus_per_node in ``nodes``.
     """
 
     head_dim: int
@@ -43,6 +45,7 @@ class StepTimeModel:
     inter_node_gbps: float = 50.0
     gpus_per_node: int = 8
     first_gpu: int = 0
+    worker_nodes: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
@@ -57,6 +60,11 @@ class StepTimeModel:
 
     def nodes(self, num_workers: int) -> np.ndarray:
         """int64 [W]: node of every pool worker."""
+        if self.worker_nodes:
+            if len(self.worker_nodes) != num_workers:
+                raise ValueError(f"StepTimeModel.worker_nodes names {len(self.worker_nodes)} workers, the pool has "
+                                 f"{num_workers}")
+            return np.asarray(self.worker_nodes, dtype=np.int64)
         return (self.first_gpu + np.arange(num_workers, dtype=np.int64)) // self.gpus_per_node
 
     def compute_seconds(self, pair_heads) -> np.ndarray:

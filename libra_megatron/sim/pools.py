@@ -117,7 +117,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     Bytes per link and worker, and the Pipeliner phase they travel in, come from the ExchangePlan the
     runtime would execute for this assignment (``plan.traffic``)."""
     assert cost.num_chunks == tiles.heads.num_chunks
-    traffic = plan_traffic(build_exchange_plan(tiles, placed.assignment))
+    plan = placed.exchange if placed.exchange is not None else build_exchange_plan(tiles, placed.assignment)
+    traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
     comm = cost.comm_seconds(*traffic.link_bytes(nodes))
@@ -178,7 +179,7 @@ class PoolEvaluator:
         hit = self._cache.get(key)
         if hit is None:
             tiles = self._tileset(tkey, knobs)
-            timed = TilePlacement(method) is TilePlacement.TIME  # places by node, so the node offset is a key
+            timed = TilePlacement(method) in (TilePlacement.TIME, TilePlacement.DENSE)  # by node: offset is a key
             node_offset = first_gpu % self.cost.gpus_per_node if timed else None
             pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)

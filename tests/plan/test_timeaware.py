@@ -73,7 +73,7 @@ def test_time_placement_trades_flops_balance_for_exposed_comm_on_a_real_trace(wi
 
 
 def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):
-    with pytest.raises(ValueError, match="only read by tile placement 'time', not 'alg2'"):
+    with pytest.raises(ValueError, match="only read by tile placement 'time' or 'dense', not 'alg2'"):
         place_tiles(wiki_pool, 0.03, TilePlacement.ALG2, timing=StepTimeModel(16))
     with pytest.raises(ValueError, match="StepTimeModel.inter_node_gbps must be a finite number > 0, got 0"):
         StepTimeModel(16, inter_node_gbps=0)
