@@ -36,6 +36,15 @@ def tile_density(tiles: TileSet, loads: np.ndarray) -> np.ndarray:
     return np.asarray(loads, dtype=np.float64) / np.maximum(moved, 1)
 
 
+def _prefix_group(tiles: TileSet) -> np.ndarray:
+    """int64 [num_tiles]: KV group (doc * G + class) of each tile's last fragment -- the one with the longest
+    key prefix, which dominates what a destination fetches for it."""
+    block = tiles.tile_block()
+    last_doc = tiles.frag_doc[tiles.frag_ptr[1:] - 1][block]
+    shard = np.arange(tiles.num_tiles, dtype=np.int64) % tiles.head_split
+    return last_doc * tiles.num_kv_classes + tiles.heads.kv_class_of_shard()[shard]
+
+
 def export_dense_first(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, node_of_worker) -> np.ndarray:
     """The dense-first assignment (module docstring) of ``assignment``; int64 [num_tiles]. ``loads`` = f_t."""
     node = np.asarray(node_of_worker, dtype=np.int64)
@@ -43,13 +52,14 @@ def export_dense_first(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray
     f = np.asarray(loads, dtype=np.float64)
     home_node = node[tiles.tile_home()]
     density = tile_density(tiles, f)
+    group = _prefix_group(tiles)
     for n in np.unique(home_node).tolist():
-        _refill_node(out, f, density, node, home_node == n, n)
+        _refill_node(out, f, density, node, home_node == n, n, group)
     return out
 
 
 def _refill_node(out: np.ndarray, f: np.ndarray, density: np.ndarray, node: np.ndarray, homed: np.ndarray,
-                 n: int) -> None:
+                 n: int, group: np.ndarray) -> None:
     """Re-choose which tiles homed on node ``n`` leave it (in place on ``out``)."""
     mine = np.flatnonzero(homed)
     away = mine[node[out[mine]] != n]
@@ -58,15 +68,21 @@ def _refill_node(out: np.ndarray, f: np.ndarray, density: np.ndarray, node: np.n
     quota = np.bincount(out[away], weights=f[away], minlength=node.size)
     origin = out.copy()
     ranked = mine[np.lexsort((mine, -density[mine]))]  # densest first, then tile id
+    by_group = {}
+    for t in ranked.tolist():
+        by_group.setdefault(int(group[t]), []).append(t)
     taken = np.zeros(out.size, dtype=bool)
     for d in np.flatnonzero(quota > 0)[np.argsort(-quota[quota > 0], kind="stable")].tolist():
         room = quota[d]
         for t in ranked[~taken[ranked]].tolist():
-            if f[t] <= room:
-                out[t], taken[t] = d, True
-                room -= f[t]
             if room <= 0:
                 break
+            if taken[t] or f[t] > room:
+                continue
+            for u in by_group[int(group[t])]:  # the tile's KV group first: its prefix is fetched once
+                if not taken[u] and f[u] <= room:
+                    out[u], taken[u] = d, True
+                    room -= f[u]
         for t in away[(origin[away] == d) & ~taken[away]].tolist():  # top up with d's own tiles, as before
             if f[t] <= room:
                 out[t], taken[t] = d, True
@@ -75,13 +91,22 @@ def _refill_node(out: np.ndarray, f: np.ndarray, density: np.ndarray, node: np.n
 
 
 def _return_home(out, f, node, n: int, origin, staying) -> None:
-    """Tiles of node n that stay on it: kept where they were when they were on n, the ones that used to leave
-    go largest first onto the worker of n with the most freed load (dense tiles that left)."""
+    """Tiles of node n that stay on it: kept where they were when they were on n; the ones that used to leave
+    go largest first onto the worker of n with the most freed load (dense tiles that left) -- or, when that
+    would lift it above Algorithm 2's busiest worker, onto the least-loaded worker of the pool."""
     workers = np.flatnonzero(node == n)
     was_away = staying[node[origin[staying]] != n]
     left = np.flatnonzero((node[origin] == n) & (node[out] != n))  # tiles that now leave n from its workers
     freed = np.bincount(origin[left], weights=f[left], minlength=node.size)[workers]
+    limit = np.bincount(origin, weights=f, minlength=node.size).max()
+    loads = np.bincount(out, weights=f, minlength=node.size)
     for t in was_away[np.lexsort((was_away, -f[was_away]))].tolist():
+        loads[out[t]] -= f[t]
         i = int(np.argmax(freed))
-        out[t] = workers[i]
-        freed[i] -= f[t]
+        w = int(workers[i])
+        if loads[w] + f[t] > limit:
+            w = int(np.argmin(loads))
+        else:
+            freed[i] -= f[t]
+        out[t] = w
+        loads[w] += f[t]
