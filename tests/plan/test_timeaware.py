@@ -12,7 +12,7 @@ from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.pool import plan_pool
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timeaware import worker_times
+from libra_megatron.plan.timeaware import _PoolTraffic, worker_times
 from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.traces import find_trace, load_trace
 from libra_megatron.plan.traffic import plan_traffic
@@ -24,19 +24,30 @@ SLOW = dict(attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=2e-4, gpus_p
 
 
 def _plan_seconds(tiles, assignment, model):
-    """Independent pricing: the exchange plan's own traffic, then plan.timing's formula."""
-    traffic = plan_traffic(build_exchange_plan(tiles, np.asarray(assignment)))
-    intra, inter = traffic.link_bytes(model.nodes(tiles.num_workers))
-    compute = model.compute_seconds(np.bincount(assignment, tiles.tile_flops(), minlength=tiles.num_workers))
-    return model.worker_seconds(compute, intra, inter, traffic.unhidable_share())
+    """Independent pricing: the exchange plan's own traffic per phase and local/remote split, then the
+    Pipeliner timeline (``plan.timing``)."""
+    plan = build_exchange_plan(tiles, np.asarray(assignment))
+    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(tiles.num_workers), model)
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    return model.worker_seconds(local, remote, dispatch, ret)
 
 
 @given(pools())
 @settings(**SETTINGS)
-def test_incremental_times_equal_the_exchange_plan_priced_times(pool):
+def test_incremental_state_prices_the_exchange_plans_traffic_exactly(pool):
+    """The search's per-worker state: link bytes per phase exactly the plan's; local compute an upper bound
+    of the plan's (entries merge into remote ones), local + remote = the worker's load."""
     _, _, heads, tiles, assign, _ = pool
     model = StepTimeModel(heads.head_dim, **SLOW)
-    assert np.allclose(worker_times(tiles, assign, model), _plan_seconds(tiles, assign, model), rtol=1e-9, atol=0)
+    plan = build_exchange_plan(tiles, np.asarray(assign))
+    state = _PoolTraffic(tiles, assign, model).state.copy()
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    assert np.allclose(state[:, 8] + state[:, 9], local + remote, rtol=1e-12, atol=1e-15)
+    assert (state[:, 8] >= local * (1 - 1e-12) - 1e-15).all()
+    state[:, 8], state[:, 9] = local, remote
+    pricer = _PoolTraffic(tiles, assign, model)
+    assert np.allclose(pricer.seconds(state), _plan_seconds(tiles, assign, model), rtol=1e-9, atol=0)
+    assert np.allclose(worker_times(tiles, assign, model), _plan_seconds(tiles, assign, model), rtol=1e-12, atol=0)
 
 
 @given(pools())
