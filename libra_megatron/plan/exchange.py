@@ -38,6 +38,7 @@ import numpy as np
 from .errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .layout import HeadLayout
+from .local_entries import entry_pair_heads, pool_local_entries
 
 __all__ = ["IndexRuns", "Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
 
@@ -231,6 +232,8 @@ class ExchangePlan:
     arranged_kv_units: np.ndarray = None  # int64 [W]: KV units each destination fetches (its arranged KV rows)
     peer_units: np.ndarray = None  # int64 [2, W, W]: (Q, KV) units worker src sends to dst per layer forward
     # (self included; O returns the Q units dst -> src). ``plan.traffic`` turns it into bytes per link and chunk.
+    hosted_pair_heads: np.ndarray = None  # float64 [2, W]: Eq. 6 load each destination hosts in (local, remote)
+    # varlen entries (``plan.local_entries``: local ones run while the dispatch is in flight); sums to the loads
 
     @property
     def num_workers(self) -> int:
@@ -547,6 +550,19 @@ def _peer_units(q: _UnitRuns, kv: _UnitRuns, num_workers: int) -> np.ndarray:
                      for r in (q, kv)]).astype(np.int64)
 
 
+def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varlen, heads: HeadLayout) -> np.ndarray:
+    """float64 [2, W]: (local, remote) Eq. 6 load per destination (``plan.local_entries``)."""
+    W = q_len.shape[0]
+    dst = np.repeat(np.arange(W, dtype=np.int64), np.diff(varlen.dst_ptr))
+    local = pool_local_entries((q.src, q.dst, q.tgt_start, q.count), (kv.src, kv.dst, kv.tgt_start, kv.count),
+                               q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
+                               varlen.kv_offset, varlen.kv_offset + varlen.k_len)
+    load = entry_pair_heads(varlen.q_len, varlen.k_len, heads.q_heads_per_shard).astype(np.float64)
+    out = np.stack([np.bincount(dst[keep], weights=load[keep], minlength=W) for keep in (local, ~local)])
+    out.setflags(write=False)
+    return out
+
+
 def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray, varlen: _Varlen) -> str:
     """sha256 (first 128 bits, hex) over layout, heads, docs, assignment, Q runs, KV pairs and varlen.
 
@@ -611,4 +627,5 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
         arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
         peer_units=_frozen(_peer_units(q_runs, kv_runs, W)),
+        hosted_pair_heads=_hosted_pair_heads(q_runs, kv_runs, q_len, kv_len, varlen, heads),
     )

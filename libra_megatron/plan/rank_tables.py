@@ -27,12 +27,13 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 from .errors import PlanError
 from .exchange import IndexRuns, RankPlan, Route
+from .local_entries import rank_local_entries
 
 __all__ = ["RankTables", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables"]
 
@@ -87,20 +88,70 @@ class RowRuns:
 
 @dataclass(frozen=True)
 class RouteSplits:
-    """Split sizes of one route as Python ints (what ``all_to_all_single`` takes)."""
+    """Split sizes of one route as Python ints (what ``all_to_all_single`` takes).
+
+    The self segment (rows a rank sends to itself) is send rows [self_send_offset, +self_rows) of the send
+    buffer and received rows [self_recv_offset, +self_rows): the runtime places it before the exchange arrives.
+    """
 
     send: Tuple[int, ...]
     recv: Tuple[int, ...]
     remote_send_rows: int  # rows sent to other ranks (self excluded), for byte accounting
+    rank: int = 0
 
     @staticmethod
     def of(route: Route, rank: int) -> "RouteSplits":
         return RouteSplits(tuple(int(x) for x in route.send_splits), tuple(int(x) for x in route.recv_splits),
-                           route.remote_units_sent(rank))
+                           route.remote_units_sent(rank), int(rank))
 
     def inverse(self, rank: int) -> "RouteSplits":
         """Splits of ``Route.inverse()``: what was received is sent back."""
-        return RouteSplits(self.recv, self.send, sum(self.recv) - self.recv[rank])
+        return RouteSplits(self.recv, self.send, sum(self.recv) - self.recv[rank], int(rank))
+
+    @property
+    def self_rows(self) -> int:
+        return self.send[self.rank] if self.send else 0
+
+    @property
+    def self_send_offset(self) -> int:
+        return sum(self.send[: self.rank])
+
+    @property
+    def self_recv_offset(self) -> int:
+        return sum(self.recv[: self.rank])
+
+
+@dataclass(frozen=True, eq=False)
+class EntrySet:
+    """Some of a rank's varlen entries as one kernel call of their own (``plan.local_entries``).
+
+    q_rows    arranged-Q rows of the set's entries in entry order (the call's queries are gathered from
+              them and its outputs / lse scattered back to them)
+    k_gather  arranged-KV row of every packed key row of the set (entry order)
+    cu_q, cu_k  int32 [n+1] offsets of the call; q_lens / k_lens per entry (host ints)
+    """
+
+    q_rows: RowRuns
+    k_gather: RowRuns
+    cu_q: np.ndarray
+    cu_k: np.ndarray
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.q_lens)
+
+    @staticmethod
+    def of(keep: np.ndarray, cu_q: np.ndarray, kv_offset: np.ndarray, k_lens: np.ndarray, q_bound: int,
+           kv_bound: int) -> "EntrySet":
+        q_lens = np.diff(cu_q)[keep]
+        return EntrySet(
+            q_rows=RowRuns.make(cu_q[:-1][keep], q_lens, 1, q_bound),
+            k_gather=RowRuns.make(kv_offset[keep], k_lens[keep], 1, kv_bound),
+            cu_q=_cu32(q_lens), cu_k=_cu32(k_lens[keep]),
+            q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()),
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,23 +171,34 @@ class RankTables:
     kv_back_splits: RouteSplits
     q_target_len: int  # arranged Q rows (nq)
     kv_target_len: int  # arranged KV rows (nkv)
+    # local-first split (``plan.local_entries``): None when no entry is local, else (local, remote) sets
+    local: Optional[EntrySet] = None
+    remote: Optional[EntrySet] = None
 
     @property
     def num_entries(self) -> int:
         return len(self.q_lens)
 
+    def entry_sets(self) -> Tuple[EntrySet, ...]:
+        return tuple(x for x in (self.local, self.remote) if x is not None)
+
     def distinct_runs(self) -> Tuple[RowRuns, ...]:
         """Every distinct row table once (chunks sharing kv pieces share one ``kv_send`` entry)."""
         tables = [*self.q_send, *self.kv_send, self.q_arranged, self.kv_arranged, self.k_gather]
+        for part in self.entry_sets():
+            tables += [part.q_rows, part.k_gather]
         return tuple({id(t): t for t in tables}.values())
 
+    def _offsets_nbytes(self) -> int:
+        return int(sum(x.nbytes for x in [self.cu_q, self.cu_k] + [c for p in self.entry_sets() for c in (p.cu_q, p.cu_k)]))
+
     def nbytes(self) -> int:
-        """Bytes of the expanded index tables on the device (distinct tables + cu_q, cu_k)."""
-        return sum(t.nbytes for t in self.distinct_runs()) + int(self.cu_q.nbytes + self.cu_k.nbytes)
+        """Bytes of the expanded index tables on the device (distinct tables + varlen offsets)."""
+        return sum(t.nbytes for t in self.distinct_runs()) + self._offsets_nbytes()
 
     def host_nbytes(self) -> int:
         """Bytes of the run tables themselves (what the planner builds and keeps)."""
-        return sum(t.start.nbytes + t.count.nbytes for t in self.distinct_runs()) + int(self.cu_q.nbytes + self.cu_k.nbytes)
+        return sum(t.start.nbytes + t.count.nbytes for t in self.distinct_runs()) + self._offsets_nbytes()
 
 
 def _frozen(x) -> np.ndarray:
@@ -197,6 +259,7 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
     q_view_rows = plan.local_tokens * heads.head_split * M
     kv_view_rows = plan.local_tokens * heads.kv_pieces_per_token
     q_splits, kv_splits = RouteSplits.of(qr, r), RouteSplits.of(kr, r)
+    local, remote = _entry_split(plan, q_lens, k_lens)
     return RankTables(
         q_send=_q_send(qr, heads, q_view_rows), kv_send=_kv_send(kr, heads, kv_view_rows),
         q_arranged=RowRuns.of(qr.recv_runs, qr.target_len), kv_arranged=RowRuns.of(kr.recv_runs, kr.target_len),
@@ -204,8 +267,19 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
         q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()),
         q_splits=q_splits, kv_splits=kv_splits,
         q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
-        q_target_len=int(qr.target_len), kv_target_len=int(kr.target_len),
+        q_target_len=int(qr.target_len), kv_target_len=int(kr.target_len), local=local, remote=remote,
     )
+
+
+def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):
+    """(local, remote) ``EntrySet``s of ``plan``, or (None, None) when no entry is local."""
+    local = rank_local_entries(plan)
+    if not local.any():
+        return None, None
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    off = np.asarray(plan.seq_kv_offset, dtype=np.int64)
+    bounds = (int(plan.q_route.target_len), int(plan.kv_route.target_len))
+    return EntrySet.of(local, cu, off, k_lens, *bounds), EntrySet.of(~local, cu, off, k_lens, *bounds)
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -12,6 +12,12 @@ Shape legend (one rank):
 Forward, per chunk m: gather Q and K|V rows, all_to_all along ``q_route`` / ``kv_route``, place into the
 arranged buffers, one varlen causal kernel call over all hosted tiles, return O along ``q_route.inverse()``.
 Pipeliner: chunk m+1 is dispatched and chunk m-1 returned (async) while chunk m computes.
+Local first (``plan.local_entries``, issue 14): where some of a rank's varlen entries read only rows it sends
+itself, every chunk places the all_to_all's self segment straight from the send buffer and computes those
+*local* entries before waiting for the dispatch, then the *remote* entries after it (two kernel calls: queries
+gathered by ``q_rows``, outputs and lse scattered back). On the last chunk the order flips -- remote entries,
+issue the O return, then the local entries -- so the return overlaps compute too; the return's self segment
+then carried rows not yet computed, and is copied into the output again once it has been placed.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
 to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
@@ -131,6 +137,66 @@ def _fwd_chunk(cx: _Ctx, q_arr, kv_arr):
     return cx.kernel(cx.backend.fwd, q_arr, k_pk, v_pk, cx.tables.batch, cx.scale)
 
 
+def _fwd_part(cx: _Ctx, q_arr, kv_arr, part, o_arr=None, lse=None):
+    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``): gather their queries and keys, scatter
+    out (n, qp, d) and lse (qp, n) into the chunk's o_arr (nq, qp, d) / lse (qp, nq) rows (each row belongs to
+    exactly one entry); the buffers are made, in the kernel's output dtypes, when None. Returns (o_arr, lse)."""
+    kp = cx.plan.heads.kv_piece
+    packed = kv_arr.index_select(0, part.k_gather)
+    out, part_lse = cx.kernel(cx.backend.fwd, q_arr.index_select(0, part.q_rows), packed[:, :kp], packed[:, kp:],
+                              part.batch, cx.scale)
+    if o_arr is None:
+        o_arr = out.new_empty((q_arr.shape[0],) + tuple(out.shape[1:]))
+        lse = part_lse.new_empty((part_lse.shape[0], q_arr.shape[0]))
+    o_arr.index_put_((part.q_rows,), out)
+    lse.T.index_put_((part.q_rows,), part_lse.T)
+    return o_arr, lse
+
+
+class _LocalFirstChunk:
+    """One chunk under the local-first split (``plan.local_entries``): the self segments are placed and the
+    local entries computed while the dispatch is in flight; the remote entries after it arrived. On the last
+    chunk the local entries run after the O return was issued (``finish``), so the return overlaps them."""
+
+    def __init__(self, cx: _Ctx, current, kv_prev, last: bool):
+        q_pend, kv_pend = current
+        self.cx, self.q_arr = cx, q_pend.self_placed()
+        self.kv_arr = kv_pend.self_placed() if kv_pend is not None else kv_prev
+        self.whole = cx.tables.remote.batch.num_entries == 0  # every entry local: one call, no gather
+        self.o_arr = self.lse = None
+        self.deferred = last and not self.whole
+        if not self.deferred:
+            self._local()
+        q_pend.rest_placed(self.q_arr)
+        if kv_pend is not None:
+            kv_pend.rest_placed(self.kv_arr)
+        if not self.whole:
+            self.o_arr, self.lse = _fwd_part(cx, self.q_arr, self.kv_arr, cx.tables.remote, self.o_arr, self.lse)
+
+    def _local(self) -> None:
+        if self.whole:
+            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, self.kv_arr)
+        else:
+            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, self.kv_arr, self.cx.tables.local, self.o_arr,
+                                             self.lse)
+
+    def finish(self) -> None:
+        """After the chunk's O return was issued: compute deferred local entries. Their rows went out of
+        ``o_arr`` uninitialised in the return's self segment, so ``write_self`` copies the self segment into
+        ``out_view`` again after the return has been placed."""
+        if self.deferred:
+            self._local()
+
+    def write_self(self, m: int, out_view) -> None:
+        """Self segment of chunk m's O, from ``o_arr`` into ``out_view`` (only when local entries were deferred)."""
+        if self.deferred:
+            idx = self.cx.tables.chunks[m].q_inv
+            sp = idx.splits
+            rows = idx.send_rows[sp.self_send_offset : sp.self_send_offset + sp.self_rows]
+            home = idx.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
+            out_view.index_put_((home,), self.o_arr.index_select(0, rows).to(out_view.dtype))
+
+
 def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     """Pipelined forward. Returns (out like q, per-chunk saved tensors [(q_arr, kv_arr, o_arr, lse)])."""
     heads = cx.plan.heads
@@ -138,21 +204,33 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     out_view = _uninitialized_like(qv)
     saved: List[tuple] = []
     sends = heads.kv_send_chunks()  # K/V once per step: a chunk reading the previous chunk's kv piece reuses it
+    split = cx.tables.local is not None  # some entries are local: local-first (module docstring)
     incoming = (_dispatch_q(cx, qv, 0, "q"), _dispatch_kv(cx, kv_, vv, 0, "kv"))
-    outgoing = kv_arr = None
-    for m in range(heads.num_chunks):
+    outgoing = kv_arr = chunk = None
+    M = heads.num_chunks
+    for m in range(M):
         current = incoming
-        if m + 1 < heads.num_chunks:  # dispatch m+1 before computing m (§4.4)
+        if m + 1 < M:  # dispatch m+1 before computing m (§4.4)
             incoming = (_dispatch_q(cx, qv, m + 1, "q"), _dispatch_kv(cx, kv_, vv, m + 1, "kv") if sends[m + 1] else None)
-        q_arr = current[0].placed()
-        kv_arr = current[1].placed() if current[1] is not None else kv_arr
-        o_arr, lse = _fwd_chunk(cx, q_arr, kv_arr)
+        if split:
+            chunk = _LocalFirstChunk(cx, current, kv_arr, last=m == M - 1)
+            q_arr, kv_arr = chunk.q_arr, chunk.kv_arr
+        else:
+            q_arr = current[0].placed()
+            kv_arr = current[1].placed() if current[1] is not None else kv_arr
+            chunk = None
+        o_arr, lse = (chunk.o_arr, chunk.lse) if chunk is not None else _fwd_chunk(cx, q_arr, kv_arr)
         returning = _return(cx, o_arr, m, "q_inv", "o", q.dtype)
+        if chunk is not None:
+            chunk.finish()
+            o_arr, lse = chunk.o_arr, chunk.lse
         if outgoing is not None:
             outgoing.into(out_view)  # chunk m-1's O arrived while chunk m computed
         outgoing = returning
         saved.append((q_arr, kv_arr, o_arr, lse) if keep_arranged else (lse,))
     outgoing.into(out_view)
+    if chunk is not None:
+        chunk.write_self(M - 1, out_view)
     return out_view.view_as(q), saved
 
 

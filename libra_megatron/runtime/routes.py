@@ -103,6 +103,15 @@ class ChunkRoutes:
 
 
 @dataclass(frozen=True, eq=False)
+class DeviceEntrySet:
+    """An ``EntrySet`` on the device: one kernel call over some of the varlen entries."""
+
+    q_rows: torch.Tensor  # arranged-Q rows of the set's queries (gather Q, scatter O / lse)
+    k_gather: torch.Tensor  # arranged-KV row of every packed key row of the set
+    batch: VarlenBatch
+
+
+@dataclass(frozen=True, eq=False)
 class DeviceTables:
     """Everything one RankPlan indexes with, on one device."""
 
@@ -110,6 +119,8 @@ class DeviceTables:
     batch: VarlenBatch
     k_gather: torch.Tensor  # int32 [nk]: arranged-KV row of every packed key row
     nbytes: int
+    local: Optional[DeviceEntrySet] = None  # local-first split (``RankTables.local``); None: no local entry
+    remote: Optional[DeviceEntrySet] = None
 
 
 def expand_runs(start: torch.Tensor, count: torch.Tensor, stride: int, total: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,22 +144,30 @@ _TORCH_INT = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
 
 def _expand_all(tables: RankTables, device):
-    """(device rows of every distinct ``RowRuns`` by id, cu_q, cu_k): the run tables and varlen offsets go up
-    in one pinned non-blocking copy and are expanded there, once per plan (GPU work; no host sync)."""
+    """(device rows of every distinct ``RowRuns`` by id, [cu_q, cu_k of the whole batch, then of every entry
+    set]): the run tables and varlen offsets go up in one pinned non-blocking copy and are expanded there, once
+    per plan (GPU work; no host sync)."""
     runs = tables.distinct_runs()
-    parts = [tables.cu_q, tables.cu_k, *(r.start for r in runs), *(r.count for r in runs)]
+    offsets = [tables.cu_q, tables.cu_k] + [c for part in tables.entry_sets() for c in (part.cu_q, part.cu_k)]
+    parts = [*offsets, *(r.start for r in runs), *(r.count for r in runs)]
     sizes = [int(p.shape[0]) for p in parts]
     flat = host_to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), device)
     pieces = torch.split(flat, sizes)
-    n = len(runs)
-    rows = {id(r): expand_runs(pieces[2 + i], pieces[2 + n + i], r.stride, r.total, _TORCH_INT[np.dtype(r.dtype)])
+    n, k = len(runs), len(offsets)
+    rows = {id(r): expand_runs(pieces[k + i], pieces[k + n + i], r.stride, r.total, _TORCH_INT[np.dtype(r.dtype)])
             for i, r in enumerate(runs)}
-    return rows, pieces[0].to(torch.int32), pieces[1].to(torch.int32)
+    return rows, [p.to(torch.int32) for p in pieces[:k]]
+
+
+def _varlen_batch(cu_q, cu_k, host) -> VarlenBatch:
+    """Device offsets plus the host copy's lengths and bounds (``host``: RankTables or EntrySet)."""
+    return VarlenBatch(cu_q=cu_q, cu_k=cu_k, max_q=max(host.q_lens, default=0), max_k=max(host.k_lens, default=0),
+                       bounds=_bounds(host))
 
 
 def upload_tables(tables: RankTables, device) -> DeviceTables:
     """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
-    rows, cu_q, cu_k = _expand_all(tables, device)
+    rows, offsets = _expand_all(tables, device)
     q_arr, kv_arr = rows[id(tables.q_arranged)], rows[id(tables.kv_arranged)]
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
@@ -159,14 +178,17 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
             q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=False),  # one source per row
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
-    batch = VarlenBatch(cu_q=cu_q, cu_k=cu_k, max_q=max(tables.q_lens, default=0),
-                        max_k=max(tables.k_lens, default=0), bounds=_bounds(tables))
-    return DeviceTables(chunks=tuple(chunks), batch=batch, k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes())
+    sets = [DeviceEntrySet(rows[id(part.q_rows)], rows[id(part.k_gather)],
+                           _varlen_batch(offsets[2 + 2 * i], offsets[3 + 2 * i], part))
+            for i, part in enumerate(tables.entry_sets())]
+    local, remote = sets if sets else (None, None)
+    return DeviceTables(chunks=tuple(chunks), batch=_varlen_batch(offsets[0], offsets[1], tables),
+                        k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote)
 
 
-def _bounds(tables: RankTables):
-    cq, ck = tables.cu_q.tolist(), tables.cu_k.tolist()  # host numpy arrays: no device involved
-    return tuple((cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(tables.num_entries))
+def _bounds(host):
+    cq, ck = host.cu_q.tolist(), host.cu_k.tolist()  # host numpy arrays: no device involved
+    return tuple((cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(host.q_lens)))
 
 
 class _TableCache:
@@ -254,6 +276,24 @@ class PendingExchange:
         received = self._take()
         target = torch.empty_like(received)
         return target.index_put_((self.index.recv_rows,), received)
+
+    def self_placed(self) -> torch.Tensor:
+        """Before waiting: a new arranged buffer with only the self segment placed, read from the send buffer
+        (the rows this rank sends itself are already here). ``rest_placed`` fills the other rows."""
+        sp = self.index.splits
+        send = self._send if self._send is not None else self.received  # a one-rank group kept only send
+        target = send.new_empty((sum(sp.recv),) + tuple(send.shape[1:]))
+        rows = self.index.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
+        return target.index_put_((rows,), send[sp.self_send_offset : sp.self_send_offset + sp.self_rows])
+
+    def rest_placed(self, target: torch.Tensor) -> torch.Tensor:
+        """Wait, then place the rows other ranks sent into ``target`` from ``self_placed``."""
+        received, sp, rows = self._take(), self.index.splits, self.index.recv_rows
+        lo, hi = sp.self_recv_offset, sp.self_recv_offset + sp.self_rows
+        for part in (slice(0, lo), slice(hi, None)):
+            if rows[part].shape[0]:
+                target.index_put_((rows[part],), received[part])
+        return target
 
     def into(self, target: torch.Tensor) -> torch.Tensor:
         """Wait, then write the received rows of an inverse route into ``target`` (in target's dtype): added

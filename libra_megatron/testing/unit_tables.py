@@ -15,7 +15,7 @@ import numpy as np
 
 from ..plan.exchange import RankPlan, kv_rows, q_rows
 
-__all__ = ["UnitTables", "unit_tables"]
+__all__ = ["UnitTables", "unit_tables", "self_sourced_rows", "local_entries_by_units"]
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,20 @@ def unit_tables(plan: RankPlan) -> UnitTables:
         cu_q=np.asarray(plan.cu_seqlens_q, dtype=np.int64),
         cu_k=np.concatenate([[0], np.cumsum(plan.seq_k_len, dtype=np.int64)]),
     )
+
+
+def self_sourced_rows(route, rank: int) -> np.ndarray:
+    """bool [target_len]: the target rows of a forward route that this rank sends itself (expanded units)."""
+    lo = int(route.recv_splits[:rank].sum())
+    mask = np.zeros(route.target_len, dtype=bool)
+    mask[route.recv_index[lo: lo + int(route.recv_splits[rank])]] = True
+    return mask
+
+
+def local_entries_by_units(plan: RankPlan) -> np.ndarray:
+    """bool [n_seqs]: entries whose every arranged Q row and key row is self-sourced, row by row (the O(units)
+    reference of ``plan.local_entries.rank_local_entries``)."""
+    q_self, kv_self = self_sourced_rows(plan.q_route, plan.rank), self_sourced_rows(plan.kv_route, plan.rank)
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    return np.array([q_self[cu[i]:cu[i + 1]].all() and kv_self[o:o + n].all()
+                     for i, (o, n) in enumerate(zip(plan.seq_kv_offset, plan.seq_k_len))], dtype=bool)
