@@ -4,8 +4,8 @@ Pure Python + numpy. Algorithm 2 balances FLOPs and prices bytes only among work
 never trades a little balance for much less traffic, and it does not know which bytes cross nodes. Here
 the objective is the step time of ``plan.timing`` (the Pipeliner timeline per worker, from the traffic the
 exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as ``plan.traffic``
--- and its split into local and remote entries). Starting from Algorithm 2's assignment, each round takes the slowest worker w* and
-tries single-tile moves that touch it:
+-- and its split into local and remote entries). Starting from Algorithm 2's assignment, each round takes
+the slowest worker w* and tries single-tile moves that touch it:
     tiles w* hosts                   -> their Q-home, the lightest workers, workers on w*'s node
     tiles whose Q-home is w*         -> back to w*, or onto w*'s node
     tiles fetching K/V rows from w*  -> w*, the lightest workers of w*'s node, or a worker that already
