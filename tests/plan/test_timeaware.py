@@ -12,6 +12,7 @@ from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.pool import plan_pool
 from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan import timeaware
 from libra_megatron.plan.timeaware import _PoolTraffic, worker_times
 from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.traces import find_trace, load_trace
@@ -81,6 +82,19 @@ def test_time_placement_trades_flops_balance_for_exposed_comm_on_a_real_trace(wi
     after = _plan_seconds(wiki_pool, timed.assignment, model)
     assert after.max() < 0.9 * before.max()  # the slowest worker gets at least 10% faster ...
     assert timed.max_over_mean > alg2.max_over_mean + 0.05  # ... by giving up FLOPs balance
+
+
+def test_refined_assignment_is_kept_only_when_the_exchange_plans_say_it_is_faster(wiki_pool, monkeypatch):
+    """The search scores by an estimate; the final word is ``worker_times`` on the real plans of both results."""
+    model = StepTimeModel(16, attn_tflops=0.1, intra_node_gbps=0.3, inter_node_gbps=0.05, gpus_per_node=4)
+    alg2 = place_tiles(wiki_pool, 0.03, TilePlacement.ALG2).assignment
+    refined = timeaware.refine_for_time(wiki_pool, alg2, model)
+    assert not np.array_equal(refined, alg2)
+    assert _plan_seconds(wiki_pool, refined, model).max() < _plan_seconds(wiki_pool, alg2, model).max()
+    # the same search, but the plans price Alg. 2's assignment as the faster one: Alg. 2's is returned
+    fake = lambda tiles, assignment, m: np.full(tiles.num_workers, 0.0 if np.array_equal(assignment, alg2) else 1.0)  # noqa: E731
+    monkeypatch.setattr(timeaware, "worker_times", fake)
+    assert np.array_equal(timeaware.refine_for_time(wiki_pool, alg2, model), alg2)
 
 
 def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):
