@@ -27,9 +27,8 @@ from .exchange import build_exchange_plan
 from .kv_refs import fetched_groups
 from .node_export import export_dense_first
 from .tiles import TileSet
-from .timeaware import refine_for_time
+from .timeaware import plan_worker_seconds, refine_for_time
 from .timing import StepTimeModel
-from .traffic import plan_traffic
 
 __all__ = ["TilePlacementResult", "place_tiles", "assignment_comm_bytes", "worker_loads"]
 
@@ -160,16 +159,6 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     return timed, cap, fallbacks, assignment_comm_bytes(tiles, timed)
 
 
-def planned_worker_seconds(plan, timing: StepTimeModel) -> np.ndarray:
-    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan under ``timing``
-    (what the simulator prices: compute from the hosted Eq. 6 loads, bytes per link and phase from the plan)."""
-    traffic = plan_traffic(plan)
-    W = traffic.num_workers
-    compute = timing.compute_seconds(plan.hosted_pair_heads.sum(axis=0))
-    intra, inter = traffic.link_bytes(timing.nodes(W))
-    return timing.worker_seconds(compute, intra, inter, traffic.unhidable_share())
-
-
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     """ALG2, then ``plan.node_export.export_dense_first`` over the nodes of ``timing``; the faster of the two
     under ``timing`` (slowest worker; ties keep Algorithm 2). Returns the placer tuple plus the winner's plan."""
@@ -180,7 +169,7 @@ def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     if np.array_equal(dense, start):
         return start, cap, fallbacks, comm, base
     other = build_exchange_plan(tiles, dense)
-    if planned_worker_seconds(other, timing).max() < planned_worker_seconds(base, timing).max():
+    if plan_worker_seconds(other, timing).max() < plan_worker_seconds(base, timing).max():
         return dense, cap, fallbacks, assignment_comm_bytes(tiles, dense), other
     return start, cap, fallbacks, comm, base
 

@@ -2,17 +2,23 @@
 
 Pure Python + numpy. Algorithm 2 balances FLOPs and prices bytes only among workers with headroom; it
 never trades a little balance for much less traffic, and it does not know which bytes cross nodes. Here
-the objective is the step time of ``plan.timing`` (compute + exposed communication, per worker, from the
-traffic the exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as
-``plan.traffic``). Starting from Algorithm 2's assignment, each round takes the slowest worker w* and
-tries single-tile moves that touch it:
+the objective is the step time of ``plan.timing`` (the Pipeliner timeline per worker, from the traffic the
+exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as ``plan.traffic``
+-- and its split into local and remote entries). Starting from Algorithm 2's assignment, each round takes
+the slowest worker w* and tries single-tile moves that touch it:
     tiles w* hosts                   -> their Q-home, the lightest workers, workers on w*'s node
     tiles whose Q-home is w*         -> back to w*, or onto w*'s node
     tiles fetching K/V rows from w*  -> w*, the lightest workers of w*'s node, or a worker that already
                                         fetched a long enough prefix of the tile's group (no new bytes)
 and applies the best one if it lowers (max over workers, time of w*) lexicographically without raising
-the max. So the result is never slower than Algorithm 2 under the model (tested), even where it leaves
-more FLOPs imbalance. Moves are evaluated incrementally: only the workers a move touches are re-priced.
+the max. Moves are evaluated incrementally: only the workers a move touches are re-priced, all candidate
+moves of a round in one ``pipeline_seconds`` call. The incremental link bytes per phase are exact; the
+local compute is a per-fragment estimate (a fragment on its Q-home whose key rows [0, e) the home holds),
+which can call local what the plan merges into a remote varlen entry. So the search is a heuristic, and
+the guarantee is checked on the real plans: ``refine_for_time`` prices both final assignments with
+``worker_times`` (the exchange plan's traffic and ``hosted_pair_heads``) and returns Algorithm 2's unless
+the refined one is faster. The result is never slower than Algorithm 2 under the model (tested), even
+where it leaves more FLOPs imbalance.
 """
 from __future__ import annotations
 
@@ -21,10 +27,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .tiles import TileSet
+from .exchange import build_exchange_plan
+from .kv_refs import held_rows
+from .tiles import TileSet, causal_pairs
 from .timing import StepTimeModel
+from .traffic import chunk_phase_bytes, plan_traffic
 
-__all__ = ["refine_for_time", "worker_times", "MAX_MOVES_PER_WORKER"]
+__all__ = ["refine_for_time", "worker_times", "plan_worker_seconds", "MAX_MOVES_PER_WORKER"]
 
 MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
 _TILES_PER_KIND = 10  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
@@ -33,8 +42,23 @@ _SWAPS = 2  # tiles of a destination tried as swap partners
 _EXTEND = 10  # best single moves retried as group moves and swaps
 _EPS = 1e-12
 
-# columns of the per-worker state: link bytes, bytes per kind (sent + received), compute seconds
-_IS, _IR, _ES, _ER, _Q, _KV, _O, _C = range(8)
+# columns of the per-worker state: Q and K/V bytes sent and received, intra-node (0-3) and inter-node (4-7)
+# (O mirrors Q), then local and remote compute seconds
+_QS, _QR, _KS, _KR = range(4)
+_INTER = 4
+_L, _X = 8, 9
+_NCOL = 10
+
+
+def _home_local_flops(tiles: TileSet) -> np.ndarray:
+    """float64 [T]: pair-heads of every tile's fragments that are local when it stays on its Q-home (the home
+    holds the fragment's key rows [0, e): ``plan.local_entries`` before entries merge)."""
+    nfrag = np.diff(tiles.frag_ptr)
+    block = np.repeat(np.arange(nfrag.size, dtype=np.int64), nfrag)
+    e = tiles.frag_q_end
+    local = held_rows(tiles, tiles.frag_doc, tiles.block_home[block], e) == e
+    pairs = causal_pairs(tiles.frag_q_start, e) * tiles.heads.q_heads_per_shard
+    return np.bincount(block, weights=np.where(local, pairs, 0), minlength=nfrag.size)[tiles.tile_block()]
 
 
 class _PoolTraffic:
@@ -48,9 +72,8 @@ class _PoolTraffic:
         self.home = tiles.tile_home().tolist()
         self.q_bytes = (tiles.tile_tokens() * heads.q_bytes_per_token()).astype(float).tolist()
         self.compute = model.compute_seconds(tiles.tile_flops()).tolist()
+        self.home_local = model.compute_seconds(_home_local_flops(tiles)).tolist()
         self.kv_bytes = float(heads.kv_bytes_per_token())
-        self.num_chunks = heads.num_chunks
-        self.kv_chunks = int(heads.kv_send_chunks().sum())
         self.refs = [tuple(zip(*(x.tolist() for x in tiles.tile_kv_refs(t)))) for t in range(tiles.num_tiles)]
         G = tiles.num_kv_classes
         ptr = tiles.doc_home_ptr
@@ -60,45 +83,41 @@ class _PoolTraffic:
         self.G = G
         self.ends: Dict[Tuple[int, int], Dict[int, int]] = defaultdict(dict)  # (group, w) -> {kv_end: tiles}
         self.fetchers: Dict[int, set] = defaultdict(set)  # group -> workers with a prefix of it selected
-        self.state = np.zeros((W, 8))
-        self.intra_bps, self.inter_bps = model.intra_node_gbps * 1e9, model.inter_node_gbps * 1e9
+        self.state = np.zeros((W, _NCOL))
         for t, w in enumerate(self.assignment):
             self._apply(self._delta(t, None, w), t, None, w)
 
     # ----------------------------------------------------------------- pricing
-    def seconds_of(self, row) -> float:
-        """Seconds of one worker with state ``row`` (8 floats): ``seconds`` for one row, in plain Python."""
-        comm = max(max(row[_IS], row[_IR]) / self.intra_bps, max(row[_ES], row[_ER]) / self.inter_bps)
-        q, kv, o, compute = row[_Q], row[_KV], row[_O], row[_C]
-        total = q + kv + o
-        u = ((q + o) / self.num_chunks + kv / self.kv_chunks) / total if total > 0 else 1.0 / self.num_chunks
-        return compute + comm - min(comm * (1.0 - u), compute)
-
     def seconds(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds of workers with state ``rows`` [n, 8] (``plan.timing``)."""
-        intra = np.maximum(rows[:, _IS], rows[:, _IR])
-        inter = np.maximum(rows[:, _ES], rows[:, _ER])
-        q, kv, o = rows[:, _Q], rows[:, _KV], rows[:, _O]
-        total = q + kv + o
-        edge = (q + o) / self.num_chunks + kv / self.kv_chunks
-        u = np.where(total > 0, edge / np.where(total > 0, total, 1.0), 1.0 / self.num_chunks)
-        return self.model.worker_seconds(rows[:, _C], intra, inter, u)
+        """Seconds of workers with state ``rows`` [n, 10] (``plan.timing`` over ``plan.traffic``'s phases)."""
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, _NCOL)
+        heads = self.tiles.heads
+        intra, inter = (chunk_phase_bytes(*(rows[:, base + k] for k in (_QS, _QR, _KS, _KR)), heads)
+                        for base in (0, _INTER))
+        link = self.model.comm_seconds(intra, inter)
+        return self.model.worker_seconds(rows[:, _L], rows[:, _X], link[:, 0], link[:, 1])
 
     # ----------------------------------------------------------------- deltas
+    def _row(self, delta, w: int) -> list:
+        row = delta.get(w)
+        if row is None:
+            row = delta[w] = [0.0] * _NCOL
+        return row
+
     def _edge(self, delta, src: int, dst: int, nbytes: float, kind: int) -> None:
+        """``nbytes`` of ``kind`` (_QS: Q, _KS: K/V) from src to dst (the O of a Q edge is implied)."""
         if src == dst or nbytes == 0:
             return
-        cls = 0 if self.node[src] == self.node[dst] else 2
-        s = delta.get(src)
-        if s is None:
-            s = delta[src] = [0.0] * 8
-        d = delta.get(dst)
-        if d is None:
-            d = delta[dst] = [0.0] * 8
-        s[cls] += nbytes
-        d[cls + 1] += nbytes
-        s[kind] += nbytes
-        d[kind] += nbytes
+        col = kind + (0 if self.node[src] == self.node[dst] else _INTER)
+        self._row(delta, src)[col] += nbytes
+        self._row(delta, dst)[col + 1] += nbytes
+
+    def _host(self, delta, t: int, w: int, sign: float) -> None:
+        """Compute of tile t on w: local on its Q-home (``_home_local_flops``), remote elsewhere."""
+        row = self._row(delta, w)
+        local = self.home_local[t] if w == self.home[t] else 0.0
+        row[_L] += sign * local
+        row[_X] += sign * (self.compute[t] - local)
 
     def _kv_rows(self, delta, doc: int, dst: int, old: int, new: int) -> None:
         """K/V edges of ``dst``'s prefix of ``doc`` growing (or shrinking) from ``old`` to ``new`` rows."""
@@ -107,7 +126,7 @@ class _PoolTraffic:
         for holder, offset, count in self.holders[doc]:
             rows = min(max(new - offset, 0), count) - min(max(old - offset, 0), count)
             if rows:
-                self._edge(delta, holder, dst, rows * self.kv_bytes, _KV)
+                self._edge(delta, holder, dst, rows * self.kv_bytes, _KS)
 
     def _prefix(self, group: int, w: int) -> int:
         ends = self.ends.get((group, w))
@@ -123,13 +142,11 @@ class _PoolTraffic:
         """Per-worker state change of moving tile t from ``src`` (None: not placed yet) to ``dst``."""
         delta: Dict[int, list] = {}
         home, qb = self.home[t], self.q_bytes[t]
-        delta.setdefault(dst, [0.0] * 8)[_C] += self.compute[t]
-        self._edge(delta, home, dst, qb, _Q)
-        self._edge(delta, dst, home, qb, _O)
+        self._host(delta, t, dst, 1.0)
+        self._edge(delta, home, dst, qb, _QS)
         if src is not None:
-            delta.setdefault(src, [0.0] * 8)[_C] -= self.compute[t]
-            self._edge(delta, home, src, -qb, _Q)
-            self._edge(delta, src, home, -qb, _O)
+            self._host(delta, t, src, -1.0)
+            self._edge(delta, home, src, -qb, _QS)
         for group, end in self.refs[t]:
             doc = group // self.G
             if src is not None:
@@ -163,9 +180,18 @@ class _PoolTraffic:
 
 
 def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray:
-    """float64 [W]: seconds of every worker under ``model`` for ``assignment`` (compute + exposed comm)."""
-    pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
-    return pool.seconds(pool.state)
+    """float64 [W]: seconds of every worker under ``model`` for ``assignment``, priced from the exchange plan
+    the runtime executes (``plan_worker_seconds``)."""
+    return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64)), model)
+
+
+def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
+    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
+    timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
+    (``plan.traffic``) -- what the simulator prices."""
+    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(plan.num_workers), model)
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    return model.worker_seconds(local, remote, dispatch, ret)
 
 
 def _largest(items, key, limit: int) -> List[int]:
@@ -215,8 +241,8 @@ def _index(pool: _PoolTraffic):
 
 
 def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
-    """(touched workers, their seconds) after ``moves`` [(tile, destination)]; the pool is left unchanged
-    (only the prefix selections move while a multi-tile set is priced, and they move back)."""
+    """(touched workers, their state rows [n, 10]) after ``moves`` [(tile, destination)]; the pool is left
+    unchanged (only the prefix selections move while a multi-tile set is priced, and they move back)."""
     total: Dict[int, list] = {}
     done = []
     for i, (t, dst) in enumerate(moves):
@@ -226,7 +252,7 @@ def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
             if acc is None:
                 total[w] = row
             else:
-                for k in range(8):
+                for k in range(_NCOL):
                     acc[k] += row[k]
         if i + 1 < len(moves):  # later moves of the set see this one's prefix selections
             pool._reselect(t, src, dst)
@@ -234,8 +260,7 @@ def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
     for t, src, dst in reversed(done):
         pool._reselect(t, dst, src)
     workers = list(total)
-    state = pool.state
-    return workers, [pool.seconds_of([a + b for a, b in zip(state[w].tolist(), total[w])]) for w in workers]
+    return workers, pool.state[workers] + np.asarray([total[w] for w in workers])
 
 
 def _extended_sets(pool: _PoolTraffic, t: int, dst: int, by_worker) -> List[tuple]:
@@ -252,12 +277,20 @@ def _extended_sets(pool: _PoolTraffic, t: int, dst: int, by_worker) -> List[tupl
     return out + [((t, dst), (s, src)) for s in there]
 
 
-def _score(pool: _PoolTraffic, moves, star: int, times: np.ndarray, order: List[int]):
-    """(new max over workers, new time of star, moves) after the move set."""
-    workers, new = _trial(pool, moves)
-    rest = next((times[w] for w in order if w not in workers), 0.0)
-    star_time = new[workers.index(star)] if star in workers else float(times[star])
-    return max(max(new), float(rest)), star_time, moves
+def _score(pool: _PoolTraffic, move_sets, star: int, times: np.ndarray, order: List[int]) -> list:
+    """[(new max over workers, new time of star, moves)] after each move set, priced in one batch."""
+    trials = [_trial(pool, moves) for moves in move_sets]
+    if not trials:
+        return []
+    seconds = pool.seconds(np.concatenate([rows for _, rows in trials]))
+    out, i = [], 0
+    for (workers, _), moves in zip(trials, move_sets):
+        new = seconds[i:i + len(workers)].tolist()
+        i += len(workers)
+        rest = next((times[w] for w in order if w not in workers), 0.0)
+        star_time = new[workers.index(star)] if star in workers else float(times[star])
+        out.append((max(max(new), float(rest)), star_time, moves))
+    return out
 
 
 def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
@@ -266,21 +299,22 @@ def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
     by_worker, by_home, by_doc = index
     order = np.argsort(-times, kind="stable").tolist()
     light = order[::-1]
-    singles = [_score(pool, ((t, dst),), star, times, order)
-               for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc)
-               for dst in _destinations(pool, t, star, times, light)]
+    singles = _score(pool, [((t, dst),) for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc)
+                            for dst in _destinations(pool, t, star, times, light)], star, times, order)
     if not singles:
         return None
     singles.sort(key=lambda k: (k[0], k[1], k[2]))
-    extended = [_score(pool, moves, star, times, order) for _, _, ((t, dst),) in singles[:_EXTEND]
-                for moves in _extended_sets(pool, t, dst, by_worker)]
+    extended = _score(pool, [moves for _, _, ((t, dst),) in singles[:_EXTEND]
+                             for moves in _extended_sets(pool, t, dst, by_worker)], star, times, order)
     return min(singles[:1] + extended, key=lambda k: (k[0], k[1], k[2]))
 
 
 def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel) -> np.ndarray:
-    """Moves after Algorithm 2 that lower (max worker time, time of the slowest worker) under ``model``;
-    the max never rises, so the result is never slower than ``assignment`` under the model."""
-    pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
+    """Moves after Algorithm 2 that lower (max worker time, time of the slowest worker) under ``model``'s
+    incremental estimate (module docstring); returns them only when the exchange plan's ``worker_times`` say
+    the result is faster than ``assignment``, so it is never slower under the model."""
+    start = np.asarray(assignment, dtype=np.int64)
+    pool = _PoolTraffic(tiles, start, model)
     index = _index(pool)
     for _ in range(MAX_MOVES_PER_WORKER * tiles.num_workers):
         times = pool.seconds(pool.state)
@@ -293,4 +327,7 @@ def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel
             index[0][pool.assignment[t]].discard(t)
             index[0][dst].add(t)
             pool.move(t, dst)
-    return np.asarray(pool.assignment, dtype=np.int64)
+    refined = np.asarray(pool.assignment, dtype=np.int64)
+    if np.array_equal(refined, start) or worker_times(tiles, refined, model).max() >= worker_times(tiles, start, model).max():
+        return start
+    return refined

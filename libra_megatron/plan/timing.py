@@ -1,51 +1,108 @@
-"""Seconds of one pool's attention layer forward per worker: compute plus exposed communication (§4.4).
+"""Seconds of one pool's attention layer forward per worker: the Pipeliner's event timeline (§4.4, issue 14).
 
-Pure numpy; one rule shared by the simulator (``sim.cost``) and the time-aware tile placement
-(``plan.timeaware``). Per worker:
-    compute  = 4 * d * (Eq. 6 pair-heads of its tiles) / throughput
-    comm     = max(intra-node bytes / intra bw, inter-node bytes / inter bw),  bytes = max(sent, received)
-    exposed  = comm - min((1 - u) * comm, compute)        (= u * comm at best)
-    seconds  = compute + exposed
-u is the share of the worker's bytes in chunk 0's dispatch and chunk M-1's return (``plan.traffic``: the
-only transfers no compute can hide).
+Pure numpy; one rule shared by the simulator (``sim.cost``, ``sim.pools``) and the time-aware tile placement
+(``plan.timeaware``). Per worker, with M chunks (chunk m holds head piece m of every hosted entry):
+    L_m = local compute / M      entries whose Q and K/V rows all come from the worker itself (the all_to_all's
+                                 self segment, ``ExchangePlan.hosted_pair_heads[0]``): they need no received data
+    X_m = remote compute / M     every other entry
+    D_m, R_m                     seconds of chunk m's dispatch (Q/M, plus K/V/F when chunk m sends K/V) and
+                                 return (O/M) on the worker's link (``PlanTraffic.phase_seconds``)
+The runtime's forward (``runtime.libra_attn._fwd``) runs, per worker:
+    issue D_0, D_1, ..., D_{M-1}                (all at t = 0; they queue on the link in chunk order)
+    compute L_0 .. L_{M-2}                      (local entries: overlap the dispatches in flight)
+    for m in 0..M-1: wait D_m; compute X_m; issue R_m
+    compute L_{M-1}                             (last chunk's local entries overlap the returns)
+    wait R_0 .. R_{M-1}
+A worker without remote entries computes all its L_m up front (nothing to defer behind).
+Two resources: one FIFO comm link (transfers run one at a time in issue order D_0, ..., D_{M-1}, R_0, ...,
+R_{M-1}; each starts at max(issue time, link free)) and one compute stream (sequential; a wait blocks later
+compute until the transfer ends). seconds = when the last wait returns; compute = sum(L) + sum(X); exposed
+communication = seconds - compute. With L = 0 (``local_first=False``) every entry waits for its chunk's
+dispatch (the runtime where no entry is local; and the price of this schedule without the local split).
+
+Default rates (the simulator's and ``StepTimeModel``'s; one place): H200-class bf16 attention, NVLink-class
+intra-node and 400 Gb/s-class inter-node links per GPU, 8 GPUs per node.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Tuple
 
 import numpy as np
 
-__all__ = ["StepTimeModel", "exposed_seconds"]
+__all__ = ["StepTimeModel", "pipeline_seconds", "link_seconds", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS",
+           "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"]
 
 GB = 1e9
 TFLOP = 1e12
+DEFAULT_ATTN_TFLOPS = 400.0  # effective attention TFLOP/s per GPU
+DEFAULT_INTRA_NODE_GBPS = 300.0  # GB/s per GPU to same-node peers
+DEFAULT_INTER_NODE_GBPS = 50.0  # GB/s per GPU to other nodes
+DEFAULT_GPUS_PER_NODE = 8
 
 
-def exposed_seconds(comm, compute, unhidable) -> np.ndarray:
-    """Communication left on the critical path after Pipeliner overlap: comm - min((1 - u) comm, compute)."""
-    comm = np.asarray(comm, dtype=np.float64)
-    compute = np.asarray(compute, dtype=np.float64)
-    return comm - np.minimum(comm * (1.0 - np.asarray(unhidable, dtype=np.float64)), compute)
+def link_seconds(intra_bytes, inter_bytes, intra_node_gbps: float, inter_node_gbps: float) -> np.ndarray:
+    """Busy seconds of a worker's links: max(intra bytes / intra bw, inter bytes / inter bw) (the two link
+    classes run concurrently; bytes are already max(sent, received) per class: full-duplex links)."""
+    intra = np.asarray(intra_bytes, dtype=np.float64) / (intra_node_gbps * GB)
+    inter = np.asarray(inter_bytes, dtype=np.float64) / (inter_node_gbps * GB)
+    return np.maximum(intra, inter)
+
+
+def pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds,
+                     local_first: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """(seconds [W], compute [W]) of the Pipeliner timeline (module docstring), vectorised over workers.
+
+    local_compute, remote_compute  float [W]: seconds of the worker's local / remote entries (all M chunks)
+    dispatch_seconds, return_seconds  float [W, M]: link seconds of chunk m's dispatch / return
+    local_first  False: local entries run with the remote ones, after their chunk's dispatch (for comparison)
+    """
+    local = np.asarray(local_compute, dtype=np.float64)
+    remote = np.asarray(remote_compute, dtype=np.float64)
+    dispatch = np.asarray(dispatch_seconds, dtype=np.float64)
+    ret = np.asarray(return_seconds, dtype=np.float64)
+    if dispatch.ndim != 2 or dispatch.shape != ret.shape or dispatch.shape[:1] != local.shape or \
+            local.shape != remote.shape or dispatch.shape[1] < 1:
+        raise ValueError(f"pipeline_seconds needs local, remote [W] and dispatch, return [W, M >= 1] seconds, got "
+                         f"{local.shape}, {remote.shape}, {dispatch.shape}, {ret.shape}")
+    compute = local + remote
+    M = dispatch.shape[1]
+    if not local_first:
+        local, remote = np.zeros_like(local), compute
+    deferred = (remote > 0) & (M > 1)  # the last chunk's local entries wait until the returns are issued
+    link = np.zeros_like(local)  # when the FIFO link is free
+    arrived = []
+    for m in range(M):  # every dispatch issued at t = 0, in chunk order
+        link = link + dispatch[:, m]
+        arrived.append(link)
+    t = np.where(deferred, local * (M - 1) / M, local)  # local entries while the dispatches travel
+    for m in range(M):
+        t = np.maximum(t, arrived[m]) + remote / M
+        link = np.maximum(t, link) + ret[:, m]  # R_m issued after X_m
+    t = t + np.where(deferred, local / M, 0.0)
+    return np.maximum(t, link), compute
 
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """The constant-rate time model of one pool (the simulator's defaults: H200-class bf16 attention,
-    NVLink-class intra-node and 400 Gb/s-class inter-node links per GPU, 8 GPUs per node).
+    """The constant-rate time model of one pool (defaults: the module constants).
 
     first_gpu: global GPU index of pool worker 0; worker w sits on node (first_gpu + w) // gpus_per_node.
     worker_nodes: when given, the node of every pool worker (a run's pool ranks // GPUs per node: with TP > 1
         a pool's workers are not consecutive GPUs); it overrides first_gpu / gpus_per_node in ``nodes``.
+    local_first: the runtime computes local entries while the dispatches are in flight (False: every entry
+    after its chunk's dispatch, for comparison).
     """
 
     head_dim: int
-    attn_tflops: float = 400.0
-    intra_node_gbps: float = 300.0
-    inter_node_gbps: float = 50.0
-    gpus_per_node: int = 8
+    attn_tflops: float = DEFAULT_ATTN_TFLOPS
+    intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     first_gpu: int = 0
     worker_nodes: tuple = ()
+    local_first: bool = True
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
@@ -71,11 +128,8 @@ class StepTimeModel:
         return 4.0 * self.head_dim * np.asarray(pair_heads, dtype=np.float64) / (self.attn_tflops * TFLOP)
 
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
-        intra = np.asarray(intra_bytes, dtype=np.float64) / (self.intra_node_gbps * GB)
-        inter = np.asarray(inter_bytes, dtype=np.float64) / (self.inter_node_gbps * GB)
-        return np.maximum(intra, inter)
+        return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, compute, intra_bytes, inter_bytes, unhidable) -> np.ndarray:
-        """compute + exposed comm per worker (module docstring)."""
-        comm = self.comm_seconds(intra_bytes, inter_bytes)
-        return np.asarray(compute, dtype=np.float64) + exposed_seconds(comm, compute, unhidable)
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
+        """float64 [W]: compute + exposed comm per worker (``pipeline_seconds``)."""
+        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first)[0]

@@ -9,8 +9,9 @@ Arrival order, as ``runtime.libra_attn._fwd`` executes it (chunk m of M, F = chu
     dispatch m   Q rows of head piece m of every migrated tile (Q/M), plus K/V/F when chunk m sends K/V
     compute m    the varlen kernel over chunk m's pieces
     return m     O rows of piece m (O/M)
-Dispatch m+1 is issued before compute m and return m is waited after compute m+1, so only the dispatch of
-chunk 0 and the return of chunk M-1 cannot overlap attention compute.
+Dispatch m+1 is issued before compute m and return m is waited after compute m+1; with local-first, the
+local entries of chunk m compute while dispatch m is in flight. ``phase_seconds`` gives every transfer's
+link seconds per worker, which ``plan.timing.pipeline_seconds`` lays on the Pipeliner's timeline.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from .layout import HeadLayout
 
-__all__ = ["PlanTraffic", "plan_traffic"]
+__all__ = ["PlanTraffic", "plan_traffic", "chunk_phase_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,10 +50,6 @@ class PlanTraffic:
         """float64 [W, 3]: (Q, KV, O) bytes each worker sends to others (= ``RankPlan.bytes_sent``)."""
         return np.stack([m.sum(axis=1) for m in (self.q, self.kv, self.o)], axis=1)
 
-    def moved_bytes(self) -> np.ndarray:
-        """float64 [3, W]: (Q, KV, O) bytes each worker sends plus receives."""
-        return np.stack([m.sum(axis=1) + m.sum(axis=0) for m in (self.q, self.kv, self.o)])
-
     def link_bytes(self, node_of_worker: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(intra [W], inter [W]): per worker and link class, max(bytes sent, bytes received)."""
         node = np.asarray(node_of_worker)
@@ -64,23 +61,36 @@ class PlanTraffic:
             out.append(np.maximum(part.sum(axis=1), part.sum(axis=0)))
         return out[0], out[1]
 
-    def phase_bytes(self) -> np.ndarray:
-        """float64 [W, 2, M]: bytes each worker moves (sent + received) in the dispatch (0) and the return (1)
-        of every chunk, in the order the runtime issues them (module docstring)."""
-        q, kv, o = self.moved_bytes()
-        sends = self.heads.kv_send_chunks().astype(np.float64)
-        M = self.heads.num_chunks
-        dispatch = q[:, None] / M + kv[:, None] * sends[None, :] / sends.sum()
-        ret = np.repeat(o[:, None] / M, M, axis=1)
-        return np.stack([dispatch, ret], axis=1)
+    def phase_link_bytes(self, node_of_worker: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(intra, inter), each float64 [W, 2, M]: ``chunk_phase_bytes`` of every worker's traffic with peers
+        on its own node (intra) and on other nodes (inter)."""
+        node = np.asarray(node_of_worker)
+        same = node[:, None] == node[None, :]
+        out = []
+        for mask in (same, ~same):
+            q, kv = np.where(mask, self.q, 0.0), np.where(mask, self.kv, 0.0)
+            out.append(chunk_phase_bytes(q.sum(axis=1), q.sum(axis=0), kv.sum(axis=1), kv.sum(axis=0), self.heads))
+        return out[0], out[1]
 
-    def unhidable_share(self) -> np.ndarray:
-        """float64 [W]: u = share of a worker's bytes in chunk 0's dispatch and chunk M-1's return, the two
-        transfers no compute can hide (1/M for a worker that moves nothing)."""
-        phases = self.phase_bytes()
-        total = phases.sum(axis=(1, 2))
-        edge = phases[:, 0, 0] + phases[:, 1, -1]
-        return np.where(total > 0, edge / np.where(total > 0, total, 1.0), 1.0 / self.heads.num_chunks)
+    def phase_seconds(self, node_of_worker: np.ndarray, model) -> Tuple[np.ndarray, np.ndarray]:
+        """(dispatch, ret), each float64 [W, M]: link seconds of every chunk's dispatch and return per worker,
+        ``model.comm_seconds`` (``StepTimeModel`` or ``sim.cost.CostModel``) applied to each phase's bytes."""
+        seconds = model.comm_seconds(*self.phase_link_bytes(node_of_worker))
+        return seconds[:, 0], seconds[:, 1]
+
+
+def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayout) -> np.ndarray:
+    """float64 [n, 2, M]: max(bytes sent, bytes received) on one link class of every chunk's dispatch (index 0:
+    Q/M, plus K/V/F on the F chunks of ``heads.kv_send_chunks()``) and return (index 1: O/M; a worker sends
+    back the O of the Q it received), from the per-worker totals [n] of that class (module docstring)."""
+    M = heads.num_chunks
+    sends = heads.kv_send_chunks().astype(np.float64)
+    kv_share = sends / sends.sum()  # [M]
+    q_sent, q_received, kv_sent, kv_received = (np.asarray(x, dtype=np.float64)[:, None]
+                                                for x in (q_sent, q_received, kv_sent, kv_received))
+    dispatch = np.maximum(q_sent / M + kv_sent * kv_share, q_received / M + kv_received * kv_share)
+    ret = np.broadcast_to(np.maximum(q_sent, q_received) / M, dispatch.shape)
+    return np.stack([dispatch, ret], axis=1)
 
 
 def plan_traffic(plan) -> PlanTraffic:

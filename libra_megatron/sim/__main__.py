@@ -33,6 +33,7 @@ from ..config import KvFetch, PackingMode, SequencePlacement, TilePlacement, Til
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
+from ..plan.timing import DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS
 from .cost import CalibrationTable, CostModel
 from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
 from .report import ProgressBar, format_table
@@ -129,10 +130,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("time model (see docs: assumptions, overridable)")
-    g.add_argument("--attn-tflops", type=float, default=400.0, help="effective attention TFLOP/s per GPU")
-    g.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU to same-node peers")
-    g.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU to other nodes")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (decides which links are intra-node)")
+    g.add_argument("--attn-tflops", type=float, default=DEFAULT_ATTN_TFLOPS, help="effective attention TFLOP/s per GPU")
+    g.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_GBPS,
+                   help="GB/s per GPU to same-node peers")
+    g.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS, help="GB/s per GPU to other nodes")
+    g.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
+                   help="GPUs per node (decides which links are intra-node)")
+    g.add_argument("--no-local-first", action="store_true",
+                   help="price the previous Pipeliner schedule (every entry after its chunk's dispatch arrived) "
+                        "instead of the runtime's local-first one, for comparison")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 
@@ -186,7 +192,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     dims = _model_dims(args)
     cost = CostModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
                      inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
-                     num_chunks=args.num_chunks[0], calibration=_calibration(args.calibration))
+                     num_chunks=args.num_chunks[0], calibration=_calibration(args.calibration),
+                     local_first=not args.no_local_first)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,

@@ -13,15 +13,12 @@ the intra-node bandwidth (default 300 GB/s), other peers the inter-node bandwidt
 per GPU). Per link class the busy time is max(bytes sent, bytes received) / bandwidth (full-duplex
 links); the two classes run concurrently, so comm seconds = max(intra time, inter time).
 
-Exposure (TAP Pipeliner, §4.4). Chunk 0's dispatch and chunk M-1's return cannot overlap, the rest can
-hide only behind compute:
-    exposed = comm - min((1 - u) * comm, compute)        (= u * comm at best)
-    worker seconds = compute + exposed
-u is the share of a worker's traffic in chunk 0's dispatch and chunk M-1's return. Q and O are split
-evenly over the M chunks; K/V travel once per step, with the first chunk that reads each kv piece
-(``HeadLayout.kv_send_chunks``, F of the M chunks), so u = ((Q + O)/M + KV/F) / (Q + KV + O), and
-u = 1/M when no chunks share a kv piece (F = M). The model ignores that a KV-carrying chunk's dispatch
-has to hide behind one chunk of compute: with F < M the middle traffic is burstier than it assumes.
+Exposure (TAP Pipeliner, §4.4). Each worker's seconds come from the Pipeliner's event timeline
+(``plan.timing.pipeline_seconds``, the one rule): chunk m's dispatch and return take the link seconds of
+their bytes (``plan.traffic.PlanTraffic.phase_seconds``), local entries (Q and K/V from the worker itself)
+compute while the dispatch is in flight, remote entries after it arrived; transfers share one FIFO link,
+compute one stream. exposed = seconds - compute. ``local_first=False`` (``--no-local-first``) prices the
+previous runtime's schedule (no local entries first) for comparison.
 """
 
 from __future__ import annotations
@@ -33,32 +30,15 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..paths import read_json
-from ..plan.timing import StepTimeModel, exposed_seconds
+from ..plan.timing import (DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS,
+                           DEFAULT_INTRA_NODE_GBPS, TFLOP, StepTimeModel, link_seconds, pipeline_seconds)
 
-__all__ = ["CostModel", "CalibrationTable", "attention_flops", "exposed_comm_seconds", "unhidable_share"]
-
-GB = 1e9
-TFLOP = 1e12
+__all__ = ["CostModel", "CalibrationTable", "attention_flops"]
 
 
 def attention_flops(pair_heads, head_dim: int) -> np.ndarray:
     """Forward attention FLOPs of ``pair_heads`` (causal pairs x query heads): 4 * d * pair_heads."""
     return 4.0 * head_dim * np.asarray(pair_heads, dtype=np.float64)
-
-
-def exposed_comm_seconds(comm, compute, num_chunks: int, unhidable_share=None) -> np.ndarray:
-    """Communication left on the critical path after Pipeliner overlap (module docstring formula);
-    ``unhidable_share`` u per worker (default 1/M: traffic spread evenly over the chunks)."""
-    u = 1.0 / num_chunks if unhidable_share is None else unhidable_share
-    return exposed_seconds(comm, compute, u)
-
-
-def unhidable_share(q_bytes, kv_bytes, o_bytes, num_chunks: int, kv_send_chunks: int) -> np.ndarray:
-    """u = ((Q + O)/M + KV/F) / (Q + KV + O) per worker (1/M where a worker moves nothing)."""
-    q, kv, o = (np.asarray(x, dtype=np.float64) for x in (q_bytes, kv_bytes, o_bytes))
-    total = q + kv + o
-    first_and_last = (q + o) / num_chunks + kv / kv_send_chunks
-    return np.where(total > 0, first_and_last / np.where(total > 0, total, 1.0), 1.0 / num_chunks)
 
 
 @dataclass(frozen=True)
@@ -122,12 +102,13 @@ class CostModel:
     """Documented, overridable assumptions turning pair counts and bytes into seconds."""
 
     head_dim: int
-    attn_tflops: float = 400.0
-    intra_node_gbps: float = 300.0
-    inter_node_gbps: float = 50.0
-    gpus_per_node: int = 8
+    attn_tflops: float = DEFAULT_ATTN_TFLOPS
+    intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     num_chunks: int = 4
     calibration: Optional[CalibrationTable] = None
+    local_first: bool = True  # the runtime's schedule; False prices the previous one (--no-local-first)
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
@@ -156,18 +137,17 @@ class CostModel:
 
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
         """Per worker: max(intra / intra bw, inter / inter bw); bytes already max(sent, received)."""
-        intra = np.asarray(intra_bytes, dtype=np.float64) / (self.intra_node_gbps * GB)
-        inter = np.asarray(inter_bytes, dtype=np.float64) / (self.inter_node_gbps * GB)
-        return np.maximum(intra, inter)
+        return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, compute, comm, unhidable=None) -> np.ndarray:
-        """compute + exposed comm (Pipeliner overlap with M = num_chunks chunks; ``unhidable`` = u per worker)."""
-        return np.asarray(compute, dtype=np.float64) + exposed_comm_seconds(comm, compute, self.num_chunks, unhidable)
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
+        """compute + exposed comm per worker: the Pipeliner timeline (``plan.timing.pipeline_seconds``) over
+        the worker's local / remote compute seconds and its per-chunk dispatch / return link seconds [W, M]."""
+        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first)[0]
 
     def step_time_model(self, first_gpu: int) -> StepTimeModel:
         """The constant-rate model ``plan.timeaware`` places by (the calibration table, if any, is not used)."""
         return StepTimeModel(self.head_dim, self.attn_tflops, self.intra_node_gbps, self.inter_node_gbps,
-                             self.gpus_per_node, int(first_gpu))
+                             self.gpus_per_node, int(first_gpu), local_first=self.local_first)
 
     def assumptions(self) -> Dict[str, object]:
         """JSON-ready record of what the time estimates assumed."""
@@ -176,8 +156,13 @@ class CostModel:
             "inter_node_gbps": self.inter_node_gbps, "gpus_per_node": self.gpus_per_node,
             "num_chunks": self.num_chunks, "head_dim": self.head_dim,
             "flops_per_pair_head": 4 * self.head_dim,
-            "step_time": "max over workers of compute + comm - min((1-u)*comm, compute), "
-                         "u = ((Q+O)/M + KV/F)/(Q+KV+O), F = chunks that send K/V",
+            "local_first": self.local_first,
+            "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
+                         "link (D0, D1, R0, D2, R1, ..., R_{M-1}), one compute stream; per chunk "
+                         + ("local entries while the dispatch is in flight (after the remote ones in the last "
+                            "chunk), " if self.local_first else "")
+                         + "remote entries after the dispatch, return waited one chunk later; "
+                         "D_m = Q/M + KV/F on K/V-sending chunks, R_m = O/M, link seconds per phase",
         }
         out["calibration"] = None if self.calibration is None else {
             "device": self.calibration.device, "heads": list(self.calibration.heads)}

@@ -4,7 +4,9 @@ Imports only ``libra_megatron.plan``. Worker ids are pool-local (w = p*CP + c, `
 pool whose first GPU has global index ``first_gpu`` puts worker w on node (first_gpu + w) // gpus_per_node.
 
 Per-worker link bytes, and the Pipeliner phase they travel in, are read off the ExchangePlan built for
-the assignment (``plan.traffic.plan_traffic``: the executed routes' per-peer units). ``traffic_edges`` is an
+the assignment (``plan.traffic.plan_traffic``: the executed routes' per-peer units), and so is the split of
+every worker's varlen entries into local and remote ones (``ExchangePlan.hosted_pair_heads``); the
+Pipeliner's timeline (``plan.timing.pipeline_seconds``) turns them into seconds. ``traffic_edges`` is an
 independent re-derivation from the tiles (kept to cross-check the plan in tests/sim):
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
@@ -31,7 +33,7 @@ from ..plan.traffic import plan_traffic
 from .cost import CostModel
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
-           "PoolKnobs"]
+           "PoolKnobs", "local_compute_seconds"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,9 @@ class PoolResult:
 
     pair_heads: np.ndarray  # Eq. 6 load per worker
     compute_seconds: np.ndarray
-    comm_seconds: np.ndarray  # before overlap
-    seconds: np.ndarray  # compute + exposed comm
+    local_compute_seconds: np.ndarray  # the part of compute_seconds spent on local entries (``local_compute_seconds``)
+    comm_seconds: np.ndarray  # link busy seconds before overlap: every chunk's dispatch and return, summed
+    seconds: np.ndarray  # the Pipeliner timeline: compute + exposed comm
     bytes_qkvo: Tuple[int, int, int]  # per layer forward, pool total
     num_tiles: int
     num_fallback: int
@@ -114,20 +117,32 @@ def evaluate_pool(tiles: TileSet, tau: float, method, cost: CostModel, first_gpu
 def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, first_gpu: int) -> PoolResult:
     """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``).
 
-    Bytes per link and worker, and the Pipeliner phase they travel in, come from the ExchangePlan the
-    runtime would execute for this assignment (``plan.traffic``)."""
+    Bytes per link, worker and Pipeliner phase, and the split of every worker's entries into local and
+    remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.traffic``,
+    ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
     assert cost.num_chunks == tiles.heads.num_chunks
     plan = placed.exchange if placed.exchange is not None else build_exchange_plan(tiles, placed.assignment)
     traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
-    comm = cost.comm_seconds(*traffic.link_bytes(nodes))
+    local = local_compute_seconds(compute, plan.hosted_pair_heads)
+    dispatch, ret = traffic.phase_seconds(nodes, cost)
     return PoolResult(
-        pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, comm_seconds=comm,
-        seconds=cost.worker_seconds(compute, comm, traffic.unhidable_share()),
+        pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, local_compute_seconds=local,
+        comm_seconds=dispatch.sum(axis=1) + ret.sum(axis=1),
+        seconds=cost.worker_seconds(local, compute - local, dispatch, ret),
         bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
         num_fallback=int(placed.num_fallback),
     )
+
+
+def local_compute_seconds(compute, hosted_pair_heads) -> np.ndarray:
+    """float64 [W]: the part of each worker's compute seconds spent on local entries, in proportion to its
+    (local, remote) pair-heads ``hosted_pair_heads`` [2, W] (exact at a constant rate; approximate under
+    ``--calibration``, where an entry's rate depends on its call shape)."""
+    local, remote = np.asarray(hosted_pair_heads, dtype=np.float64)
+    total = local + remote
+    return np.asarray(compute, dtype=np.float64) * np.where(total > 0, local / np.where(total > 0, total, 1.0), 0.0)
 
 
 class PoolEvaluator:

@@ -538,8 +538,8 @@ def _worst_seconds(worst: WorstStep) -> float:
 
 
 # --------------------------------------------------------------------------- result and driver
-OBJECTIVE = ("estimated_step_seconds = mean over GA steps of max over workers of "
-             "(compute + comm - min((M-1)/M * comm, compute)); recommended = argmin, ties -> smaller P, H, B")
+OBJECTIVE = ("estimated_step_seconds = mean over GA steps of max over workers of the Pipeliner timeline "
+             "(plan.timing.pipeline_seconds: compute + exposed comm); recommended = argmin, ties -> smaller P, H, B")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.node_export import export_dense_first, tile_density
 from libra_megatron.plan.packing import pack_documents
-from libra_megatron.plan.placement import place_tiles, planned_worker_seconds
+from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.timeaware import plan_worker_seconds
 from libra_megatron.plan.pool import plan_pool
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.plan.timing import StepTimeModel
@@ -60,7 +61,7 @@ def test_dense_placement_is_never_slower_than_alg2_under_the_model(pool):
     after = _plan_seconds(tiles, dense.assignment, model).max()
     assert after <= before * (1 + 1e-12)
     assert dense.exchange is not None and np.array_equal(dense.exchange.assignment, dense.assignment)
-    np.testing.assert_allclose(planned_worker_seconds(dense.exchange, model), _plan_seconds(tiles, dense.assignment, model))
+    np.testing.assert_allclose(plan_worker_seconds(dense.exchange, model), _plan_seconds(tiles, dense.assignment, model))
 
 
 def test_a_node_exports_its_dense_tiles_instead_of_its_small_ones():

@@ -12,7 +12,8 @@ from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.pool import plan_pool
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timeaware import worker_times
+from libra_megatron.plan import timeaware
+from libra_megatron.plan.timeaware import _PoolTraffic, worker_times
 from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.traces import find_trace, load_trace
 from libra_megatron.plan.traffic import plan_traffic
@@ -24,19 +25,30 @@ SLOW = dict(attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=2e-4, gpus_p
 
 
 def _plan_seconds(tiles, assignment, model):
-    """Independent pricing: the exchange plan's own traffic, then plan.timing's formula."""
-    traffic = plan_traffic(build_exchange_plan(tiles, np.asarray(assignment)))
-    intra, inter = traffic.link_bytes(model.nodes(tiles.num_workers))
-    compute = model.compute_seconds(np.bincount(assignment, tiles.tile_flops(), minlength=tiles.num_workers))
-    return model.worker_seconds(compute, intra, inter, traffic.unhidable_share())
+    """Independent pricing: the exchange plan's own traffic per phase and local/remote split, then the
+    Pipeliner timeline (``plan.timing``)."""
+    plan = build_exchange_plan(tiles, np.asarray(assignment))
+    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(tiles.num_workers), model)
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    return model.worker_seconds(local, remote, dispatch, ret)
 
 
 @given(pools())
 @settings(**SETTINGS)
-def test_incremental_times_equal_the_exchange_plan_priced_times(pool):
+def test_incremental_state_prices_the_exchange_plans_traffic_exactly(pool):
+    """The search's per-worker state: link bytes per phase exactly the plan's; local compute an upper bound
+    of the plan's (entries merge into remote ones), local + remote = the worker's load."""
     _, _, heads, tiles, assign, _ = pool
     model = StepTimeModel(heads.head_dim, **SLOW)
-    assert np.allclose(worker_times(tiles, assign, model), _plan_seconds(tiles, assign, model), rtol=1e-9, atol=0)
+    plan = build_exchange_plan(tiles, np.asarray(assign))
+    state = _PoolTraffic(tiles, assign, model).state.copy()
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    assert np.allclose(state[:, 8] + state[:, 9], local + remote, rtol=1e-12, atol=1e-15)
+    assert (state[:, 8] >= local * (1 - 1e-12) - 1e-15).all()
+    state[:, 8], state[:, 9] = local, remote
+    pricer = _PoolTraffic(tiles, assign, model)
+    assert np.allclose(pricer.seconds(state), _plan_seconds(tiles, assign, model), rtol=1e-9, atol=0)
+    assert np.allclose(worker_times(tiles, assign, model), _plan_seconds(tiles, assign, model), rtol=1e-12, atol=0)
 
 
 @given(pools())
@@ -70,6 +82,19 @@ def test_time_placement_trades_flops_balance_for_exposed_comm_on_a_real_trace(wi
     after = _plan_seconds(wiki_pool, timed.assignment, model)
     assert after.max() < 0.9 * before.max()  # the slowest worker gets at least 10% faster ...
     assert timed.max_over_mean > alg2.max_over_mean + 0.05  # ... by giving up FLOPs balance
+
+
+def test_refined_assignment_is_kept_only_when_the_exchange_plans_say_it_is_faster(wiki_pool, monkeypatch):
+    """The search scores by an estimate; the final word is ``worker_times`` on the real plans of both results."""
+    model = StepTimeModel(16, attn_tflops=0.1, intra_node_gbps=0.3, inter_node_gbps=0.05, gpus_per_node=4)
+    alg2 = place_tiles(wiki_pool, 0.03, TilePlacement.ALG2).assignment
+    refined = timeaware.refine_for_time(wiki_pool, alg2, model)
+    assert not np.array_equal(refined, alg2)
+    assert _plan_seconds(wiki_pool, refined, model).max() < _plan_seconds(wiki_pool, alg2, model).max()
+    # the same search, but the plans price Alg. 2's assignment as the faster one: Alg. 2's is returned
+    fake = lambda tiles, assignment, m: np.full(tiles.num_workers, 0.0 if np.array_equal(assignment, alg2) else 1.0)  # noqa: E731
+    monkeypatch.setattr(timeaware, "worker_times", fake)
+    assert np.array_equal(timeaware.refine_for_time(wiki_pool, alg2, model), alg2)
 
 
 def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):

@@ -10,6 +10,7 @@ from libra_megatron.plan.errors import PlanError
 from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.traffic import plan_traffic
 from libra_megatron.plan.validate import validate_plan
 
@@ -50,24 +51,43 @@ def test_link_bytes_split_by_node_by_hand():
         assert inter[w] == max(total[w, ~same].sum(), total[~same, w].sum())
 
 
-@pytest.mark.parametrize("heads, kv_chunks", [(HeadLayout(8, 2, 4, 2, 2), 1), (HeadLayout(32, 4, 4, 2, 4), 2),
-                                              (HeadLayout(8, 8, 4, 1, 4), 4)])
-def test_phase_bytes_follow_the_runtime_issue_order(heads, kv_chunks):
-    """Q and O split evenly over the M chunks; K/V only in the chunks that fetch a new kv piece."""
-    assert int(heads.kv_send_chunks().sum()) == kv_chunks
+def _route_class_bytes(plan, rank, heads, same):
+    """(Q sent, Q received, K/V sent, K/V received) bytes of one rank with the peers in ``same``, read off its
+    routes' per-peer splits (self excluded)."""
+    rp = plan.for_rank(rank)
+    qb, kvb = heads.q_bytes_per_token(), heads.kv_bytes_per_token()
+    peers = same & (np.arange(same.size) != rank)
+    return (rp.q_route.send_splits[peers].sum() * qb, rp.q_route.recv_splits[peers].sum() * qb,
+            rp.kv_route.send_splits[peers].sum() * kvb, rp.kv_route.recv_splits[peers].sum() * kvb)
+
+
+@pytest.mark.parametrize("heads, kv_sends", [(HeadLayout(8, 2, 4, 2, 2), [1, 0]), (HeadLayout(32, 4, 4, 2, 4), [1, 0, 1, 0]),
+                                             (HeadLayout(8, 8, 4, 1, 4), [1, 1, 1, 1])])
+def test_phase_bytes_and_seconds_follow_the_runtime_issue_order(heads, kv_sends):
+    """Per chunk and link class: dispatch = Q/M + K/V/F on the chunks that send K/V, return = O/M (O mirrors
+    the Q received), each max(sent, received); seconds = the link rate of each phase."""
+    assert heads.kv_send_chunks().astype(int).tolist() == kv_sends
     _, plan = _plan(heads)
     traffic = plan_traffic(plan)
-    phases = traffic.phase_bytes()
-    q, kv, o = traffic.moved_bytes()
-    M = heads.num_chunks
-    assert np.allclose(phases.sum(axis=(1, 2)), q + kv + o)
-    assert np.allclose(phases[:, 1, :], o[:, None] / M)
-    first_kv = kv / kv_chunks
-    assert np.allclose(phases[:, 0, 0], q / M + first_kv)
-    u = traffic.unhidable_share()
-    moved = (q + kv + o) > 0
-    assert np.allclose(u[moved], ((q / M + first_kv + o / M) / (q + kv + o))[moved])
-    assert np.allclose(u[~moved], 1 / M)
+    node = np.array([0, 0, 1, 1, 1, 1])
+    intra, inter = traffic.phase_link_bytes(node)
+    M, F = heads.num_chunks, sum(kv_sends)
+    for w in range(6):
+        for got, same in ((intra[w], node == node[w]), (inter[w], node != node[w])):
+            qs, qr, ks, kr = _route_class_bytes(plan, w, heads, same)
+            for m in range(M):
+                share = kv_sends[m] / F
+                assert got[0, m] == pytest.approx(max(qs / M + ks * share, qr / M + kr * share), rel=1e-12)
+                assert got[1, m] == pytest.approx(max(qr, qs) / M, rel=1e-12)
+    model = StepTimeModel(4, intra_node_gbps=2e-6, inter_node_gbps=1e-6)
+    dispatch, ret = traffic.phase_seconds(node, model)
+    assert np.allclose(dispatch, np.maximum(intra[:, 0] / 2e3, inter[:, 0] / 1e3))
+    assert np.allclose(ret, np.maximum(intra[:, 1] / 2e3, inter[:, 1] / 1e3))
+    # with every peer on one node, all bytes are intra-node and the dispatches sum to what crosses the link
+    one, none = traffic.phase_link_bytes(np.zeros(6, dtype=int))
+    assert not none.any()
+    sent = traffic.bytes_sent()
+    assert np.all(one[:, 0].sum(axis=1) >= sent[:, 0] + sent[:, 1] - 1e-6)
 
 
 def test_corrupt_peer_units_are_caught_naming_the_rank():

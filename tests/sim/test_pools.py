@@ -12,7 +12,8 @@ from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.plan.traces import load_trace
 from libra_megatron.sim.__main__ import build_parser, spec_from_args
-from libra_megatron.sim.pools import TrafficEdges, link_bytes, traffic_edges
+from libra_megatron.sim.cost import CostModel
+from libra_megatron.sim.pools import TrafficEdges, link_bytes, local_compute_seconds, pool_result, traffic_edges
 from libra_megatron.sim.runner import run_simulation
 
 from libra_megatron.plan.traces import find_trace
@@ -44,6 +45,27 @@ def test_link_bytes_by_hand():
     intra, inter = link_bytes(edges, np.array([0, 0, 1, 1]))
     assert intra.tolist() == [5, 5, 0, 0]  # max(sent, received) per worker
     assert inter.tolist() == [7, 0, 7, 2]
+
+
+def test_local_compute_is_split_in_proportion_to_the_hosted_pair_heads():
+    # worker 0: 1 local of 4 pair-heads -> 10 s * 1/4; worker 1 hosts nothing; worker 2 only remote entries
+    got = local_compute_seconds([10.0, 0.0, 3.0], [[1.0, 0.0, 0.0], [3.0, 0.0, 6.0]])
+    assert got.tolist() == [2.5, 0.0, 0.0]
+
+
+def test_pool_result_prices_the_plans_local_entries_first(linux_slice):
+    seqs = pack_documents(linux_slice, 16384, "megatron", 7)[:4]
+    tiles = build_tiles(seqs, TokenLayout("zigzag", 16384, 2), HeadLayout(32, 4, 128, 2, 4), 1024)
+    placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+    hosted = build_exchange_plan(tiles, placed.assignment).hosted_pair_heads
+    assert hosted[0].sum() > 0 and hosted[1].sum() > 0  # both kinds of entries occur
+    slow = dict(attn_tflops=1e-3, intra_node_gbps=1e-2, inter_node_gbps=5e-3, gpus_per_node=4)
+    new = pool_result(tiles, placed, CostModel(head_dim=128, **slow), 0)
+    old = pool_result(tiles, placed, CostModel(head_dim=128, local_first=False, **slow), 0)
+    assert np.allclose(new.local_compute_seconds, new.compute_seconds * hosted[0] / hosted.sum(axis=0))
+    assert np.allclose(hosted.sum(axis=0), placed.loads)
+    assert (new.seconds <= old.seconds + 1e-12).all() and (new.seconds < old.seconds).any()
+    assert np.array_equal(new.compute_seconds, old.compute_seconds)
 
 
 def test_simulator_invariants_on_real_trace_slice(linux_slice):

@@ -10,11 +10,13 @@ import pytest
 from libra_megatron.config import SequencePlacement, TilePlacement
 from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.local_entries import entry_pair_heads, rank_local_entries
 from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.sequences import place_sequences
 from libra_megatron.plan.sync import SyncLayout
 from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.timing import pipeline_seconds
 from libra_megatron.sim.__main__ import build_parser, run, spec_from_args
 from libra_megatron.sim.runner import run_simulation
 
@@ -47,33 +49,33 @@ def _windows():
     return [seqs[w * 8:(w + 1) * 8] for w in range(len(seqs) // 8)]
 
 
-def _rank_link_bytes(plan, rank, heads, node):
-    """(intra, inter) max(sent, received) bytes of one rank, read off its routes' per-peer splits."""
-    rp = plan.for_rank(rank)
-    qb, kvb = heads.q_bytes_per_token(), heads.kv_bytes_per_token()
-    q_send, q_recv = rp.q_route.send_splits, rp.q_route.recv_splits
-    sent = q_send * qb + rp.kv_route.send_splits * kvb + q_recv * qb  # O goes back for every Q unit received
-    recv = q_recv * qb + rp.kv_route.recv_splits * kvb + q_send * qb
-    sent[rank] = recv[rank] = 0
-    same = node == node[rank]
-    return max(sent[same].sum(), recv[same].sum()), max(sent[~same].sum(), recv[~same].sum())
-
-
-def _unhidable_share(plan, rank, heads):
-    """u = ((Q + O)/M + KV/F)/(Q + KV + O) of one rank's sent + received bytes; F = chunks that send K/V:
-    M when every chunk reads its own kv head, 1 when the q piece hq/(H*M) is below the GQA group (H <= hkv)."""
+def _rank_phase_seconds(plan, rank, heads, node):
+    """(dispatch [M], return [M]) link seconds of one rank, read off its routes' per-peer splits: per link class
+    Q/M (+ K/V/F on the chunks that send K/V) out and in, O/M back for every Q unit received; max(sent,
+    received) per class, 1e-3 GB/s intra-node, 5e-4 GB/s inter-node, the slower class paces the phase."""
     rp = plan.for_rank(rank)
     qb, kvb, M = heads.q_bytes_per_token(), heads.kv_bytes_per_token(), heads.num_chunks
-    remote = lambda splits: int(splits.sum() - splits[rank])  # noqa: E731
-    q = (remote(rp.q_route.send_splits) + remote(rp.q_route.recv_splits)) * qb  # O mirrors Q
-    kv = (remote(rp.kv_route.send_splits) + remote(rp.kv_route.recv_splits)) * kvb
-    piece = heads.num_q_heads // (heads.head_split * M)
-    sends = M if piece >= heads.group else M // (heads.group // piece)
-    total = 2 * q + kv
-    return (2 * q / M + kv / sends) / total if total else 1 / M
+    piece = heads.num_q_heads // (heads.head_split * M)  # F = chunks that send K/V
+    sends = np.ones(M) if piece >= heads.group else (np.arange(M) % (heads.group // piece) == 0).astype(float)
+    dispatch, ret = np.zeros((2, M)), np.zeros((2, M))
+    for k, (peers, rate) in enumerate(((node == node[rank], 1e6), (node != node[rank], 5e5))):
+        peers = peers & (np.arange(node.size) != rank)
+        qs, qr = rp.q_route.send_splits[peers].sum() * qb, rp.q_route.recv_splits[peers].sum() * qb
+        ks, kr = rp.kv_route.send_splits[peers].sum() * kvb, rp.kv_route.recv_splits[peers].sum() * kvb
+        kv_share = sends / sends.sum()
+        dispatch[k] = np.maximum(qs / M + ks * kv_share, qr / M + kr * kv_share) / rate
+        ret[k] = max(qr, qs) / M / rate
+    return dispatch.max(axis=0), ret.max(axis=0)
 
 
-def _reference_libra(P, H, B):
+def _rank_local_share(plan, rank, heads):
+    """Share of the rank's Eq. 6 load in varlen entries that read only self-sourced rows (its routes' view)."""
+    rp = plan.for_rank(rank)
+    load = entry_pair_heads(np.diff(rp.cu_seqlens_q), rp.seq_k_len, heads.q_heads_per_shard).astype(float)
+    return load[rank_local_entries(rp)].sum() / load.sum() if load.sum() else 0.0
+
+
+def _reference_libra(P, H, B, local_first=True):
     """Recompute steps, bytes and intra imbalance from plan/ records alone (sync VRSP, the default, + Alg. 2)."""
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
     steps, byte_rows, intra, step_compute = [], [], [], []
@@ -88,14 +90,11 @@ def _reference_libra(P, H, B):
             byte_rows.append((plan.bytes_q, plan.bytes_kv, plan.bytes_o))
             intra.append(placed.loads.max() / placed.loads.mean() - 1)
             compute = np.bincount(placed.assignment, weights=tiles.tile_flops() * 4 * 8, minlength=2 * P) / 1e6
-            first_gpu = (k % (4 // P)) * P * 2
-            seconds = []
-            node = (first_gpu + np.arange(2 * P)) // 2  # 2 GPUs per node
-            for r in range(2 * P):
-                intra_b, inter_b = _rank_link_bytes(plan, r, heads, node)
-                comm = max(intra_b / 1e6, inter_b / 5e5)  # 1e-3 and 5e-4 GB/s
-                u = _unhidable_share(plan, r, heads)
-                seconds.append(compute[r] + comm - min(comm * (1 - u), compute[r]))
+            node = ((k % (4 // P)) * P * 2 + np.arange(2 * P)) // 2  # first GPU of the pool; 2 GPUs per node
+            phases = [_rank_phase_seconds(plan, r, heads, node) for r in range(2 * P)]
+            local = compute * np.array([_rank_local_share(plan, r, heads) for r in range(2 * P)])
+            seconds = pipeline_seconds(local, compute - local, [d for d, _ in phases], [r for _, r in phases],
+                                       local_first)[0]
             step_max[k * P // 4] = max(step_max[k * P // 4], max(seconds))
             pool_workers.append((k * P // 4, np.array(seconds), compute))
         for step, seconds, compute in pool_workers:  # the straggler; ties (1e-9) go to the largest compute
@@ -162,6 +161,22 @@ def test_candidate_matches_independent_plan_recomputation(report, P, H, B):
     assert np.isclose(cand["compute_seconds"], step_compute.mean())
     assert np.isclose(cand["exposed_comm_seconds"], (steps - step_compute).mean())
     assert cand["exposed_comm_seconds"] > 0  # the synthetic link rates make communication visible
+
+
+def test_no_local_first_prices_the_previous_schedule_from_the_same_plans(report, trace_path, tmp_path):
+    out = tmp_path / "old.json"
+    assert run(["--trace", trace_path, "--json", str(out), "--pool-size", "4", "--head-split", "2",
+                "--block-size", "16", "--no-local-first"] + FLAGS[:FLAGS.index("--pool-size")]
+               + FLAGS[FLAGS.index("--num-heads"):]) == 0
+    old = json.loads(out.read_text())
+    assert old["assumptions"]["cost"]["local_first"] is False and report["assumptions"]["cost"]["local_first"] is True
+    steps, _, _, step_compute = _reference_libra(4, 2, 16, local_first=False)
+    (cand,) = old["candidates"]
+    assert np.isclose(cand["estimated_step_seconds"], steps.mean())
+    assert np.isclose(cand["exposed_comm_seconds"], (steps - step_compute).mean())
+    new = next(c for c in report["candidates"] if (c["pool_size"], c["head_split"], c["block_size"]) == (4, 2, 16))
+    assert new["estimated_step_seconds"] <= cand["estimated_step_seconds"]
+    assert new["bytes_per_layer"] == cand["bytes_per_layer"]  # the same plans, only the schedule differs
 
 
 def test_recommended_is_argmin_of_estimated_step_time(report):

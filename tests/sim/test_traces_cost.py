@@ -8,7 +8,7 @@ import pytest
 
 from libra_megatron.plan.traces import load_trace, load_traces
 from libra_megatron.sim.baselines import sequence_pair_heads, ulysses_comm_bytes, wlb_repack
-from libra_megatron.sim.cost import CalibrationTable, CostModel, exposed_comm_seconds
+from libra_megatron.sim.cost import CalibrationTable, CostModel
 
 from libra_megatron.plan.traces import find_trace
 
@@ -72,12 +72,28 @@ def test_calibration_errors_name_the_flag(tmp_path):
         CostModel(head_dim=128, calibration=CalibrationTable.from_json(str(good)))
 
 
-def test_exposed_comm_is_comm_over_m_at_best_and_all_when_no_compute():
-    # comm 8, M 4: hidable 6. compute 10 -> exposed 2 (= comm/M); compute 1 -> 7; compute 0 -> 8
-    got = exposed_comm_seconds([8.0, 8.0, 8.0], [10.0, 1.0, 0.0], 4)
-    assert got.tolist() == [2.0, 7.0, 8.0]
-    cost = CostModel(head_dim=8, intra_node_gbps=2.0, inter_node_gbps=1.0)
+def test_cost_model_prices_a_worker_by_the_pipeliner_timeline_and_the_default_rates():
+    cost = CostModel(head_dim=8, intra_node_gbps=2.0, inter_node_gbps=1.0, num_chunks=2)
     assert cost.comm_seconds([4e9], [3e9]).tolist() == [3.0]  # max(4/2, 3/1)
+    # M=2, local 2 s, remote 4 s, every transfer 1 s (tests/plan/test_timing.py by hand): 6 s local first,
+    # 8 s (= compute + first dispatch + last return) with --no-local-first
+    args = ([2.0], [4.0], [[1.0, 1.0]], [[1.0, 1.0]])
+    assert cost.worker_seconds(*args).tolist() == [6.0]
+    old = CostModel(head_dim=8, num_chunks=2, local_first=False)
+    assert old.worker_seconds(*args).tolist() == [8.0]
+    assert old.assumptions()["local_first"] is False and "local entries" not in old.assumptions()["step_time"]
+    assert "local entries while the dispatch is in flight" in cost.assumptions()["step_time"]
+    # one place for the default rates: the CLI, CostModel and StepTimeModel agree (values unchanged)
+    from libra_megatron.sim.__main__ import build_parser
+    args = build_parser().parse_args(["--trace", "x", "--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2"])
+    default = CostModel(head_dim=8)
+    assert (args.attn_tflops, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node) == (400.0, 300.0, 50.0, 8)
+    assert (default.attn_tflops, default.intra_node_gbps, default.inter_node_gbps, default.gpus_per_node) == \
+        (400.0, 300.0, 50.0, 8)
+    timing = default.step_time_model(0)
+    assert (timing.attn_tflops, timing.intra_node_gbps, timing.inter_node_gbps, timing.gpus_per_node) == \
+        (400.0, 300.0, 50.0, 8)
+    assert args.no_local_first is False and timing.local_first is True
 
 
 def test_ulysses_comm_bytes_by_hand():
