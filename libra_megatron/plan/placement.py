@@ -164,11 +164,11 @@ def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     under ``timing`` (slowest worker; ties keep Algorithm 2). Returns the placer tuple plus the winner's plan."""
     timing = timing or StepTimeModel(tiles.heads.head_dim)
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
-    base = build_exchange_plan(tiles, start)
+    base = build_exchange_plan(tiles, start, timing)
     dense = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
     if np.array_equal(dense, start):
         return start, cap, fallbacks, comm, base
-    other = build_exchange_plan(tiles, dense)
+    other = build_exchange_plan(tiles, dense, timing)
     if plan_worker_seconds(other, timing).max() < plan_worker_seconds(base, timing).max():
         return dense, cap, fallbacks, assignment_comm_bytes(tiles, dense), other
     return start, cap, fallbacks, comm, base

@@ -13,6 +13,7 @@ from ..config import LibraConfig, TilePlacement, flag_name
 from .exchange import ExchangePlan, build_exchange_plan
 from .layout import HeadLayout, TokenLayout
 from .tiles import TileSet, build_tiles
+from .timing import StepTimeModel
 
 __all__ = ["PoolPlan", "plan_pool", "place_pool_tiles"]
 
@@ -67,13 +68,16 @@ def plan_pool(
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
     ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
     that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
-    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) is read by tile placement 'time' and
-    'dense'; None = its default rates, the pool's workers consecutive GPUs from a node boundary.
+    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and is
+    read by tile placement 'time' and 'dense'; None = its default rates, the pool's workers consecutive GPUs
+    from a node boundary.
     """
     start = time.perf_counter()
     tiles, placement = place_pool_tiles(seq_segments, config, layout, heads, tile_cost_model=tile_cost_model,
                                         timing=timing)
-    exchange = placement.exchange if placement.exchange is not None else build_exchange_plan(tiles, placement.assignment)
+    timing = timing if timing is not None else StepTimeModel(heads.head_dim)  # chooses every rank's Pipeliner lead
+    exchange = placement.exchange if placement.exchange is not None else \
+        build_exchange_plan(tiles, placement.assignment, timing)
     if validate:
         from .validate import validate_plan
 

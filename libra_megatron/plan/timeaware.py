@@ -191,7 +191,7 @@ def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
     (``plan.traffic``) -- what the simulator prices."""
     dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(plan.num_workers), model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
-    return model.worker_seconds(local, remote, dispatch, ret)
+    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead)
 
 
 def _largest(items, key, limit: int) -> List[int]:

@@ -13,13 +13,14 @@ Forward, per chunk m: gather Q and K|V rows, all_to_all along ``q_route`` / ``kv
 arranged buffers, one varlen causal kernel call over all hosted tiles, return O along ``q_route.inverse()``.
 Pipeliner (forward, issue 14): every chunk's dispatch is issued at once (they queue on the pool's
 communicator in chunk order, so chunk 0 arrives first). Where some of a rank's varlen entries read only rows
-it sends itself (``plan.local_entries``), those *local* entries of chunks 0..M-2 run first, from the
-all_to_all's self segment placed straight from the send buffer, while the dispatches travel. Then chunk by
-chunk: wait its dispatch, run its *remote* entries (a second kernel call: queries gathered by ``q_rows``,
-outputs and lse scattered back), issue its O return. Chunk M-1's local entries run last, overlapping the
-returns; its return's self segment carried rows not yet computed, so the self segment is copied into the
-output again once every return was placed. Receive buffers of all M dispatches can be alive at once (each
-is freed when placed): at most the arranged Q and K|V of one layer, which ARRANGED mode keeps anyway.
+it sends itself (``plan.local_entries``), those *local* entries run from the all_to_all's self segment,
+placed straight from the send buffer: the local entries of chunks 0..k-1 while the dispatches travel, those
+of chunks k..M-1 while the O returns travel, k = the plan's lead for this rank (``RankPlan.local_lead``,
+chosen by ``plan.timing.best_lead``). In between, chunk by chunk: wait its dispatch, run its *remote* entries
+(a second kernel call: queries gathered by ``q_rows``, outputs and lse scattered back), issue its O return. A
+chunk whose local entries ran after its return left sent uninitialised self rows; its self segment is copied
+into the output again once every return was placed. Receive buffers of all M dispatches can be alive at once
+(each freed when placed): at most the arranged Q and K|V of one layer, which ARRANGED mode keeps anyway.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
 to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
@@ -159,12 +160,11 @@ class _Chunk:
     """One chunk's destination side: its arranged buffers, O and lse, and -- under the local-first split
     (``plan.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
 
-    def __init__(self, cx: _Ctx, m: int, pending):
+    def __init__(self, cx: _Ctx, m: int, pending, split: bool):
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
-        self.split = cx.tables.local is not None
+        self.split = split
         self.whole = self.split and cx.tables.remote.batch.num_entries == 0  # every entry local: one call
         self.o_arr = self.lse = self.kv_arr = None
-        self.deferred = False  # the last chunk's local entries run after the returns were issued
         if self.split:  # the rows this rank sends itself are in its send buffer already
             self.q_arr = self.q_pend.self_placed()
             self.kv_arr = self.kv_pend.self_placed() if self.kv_pend is not None else None
@@ -196,8 +196,8 @@ class _Chunk:
             self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.remote, self.o_arr, self.lse)
 
     def write_self(self, out_view) -> None:
-        """Self segment of this chunk's O, from ``o_arr`` into ``out_view``: after a deferred local call, the
-        return's self segment carried rows not yet computed (call after the return was placed)."""
+        """Self segment of this chunk's O, from ``o_arr`` into ``out_view``: when its local entries ran after its
+        return was issued, the return's self segment carried rows not yet computed (call after it was placed)."""
         idx = self.cx.tables.chunks[self.m].q_inv
         sp = idx.splits
         rows = idx.send_rows[sp.self_send_offset : sp.self_send_offset + sp.self_rows]
@@ -209,37 +209,48 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     """Forward (module docstring, "Pipeliner"). Returns (out like q, per-chunk saved [(q_arr, kv_arr, o_arr, lse)]).
 
     1. every chunk's dispatch is issued at once (they queue on the pool's communicator in chunk order);
-    2. local entries of chunks 0..M-2 run while they travel (``_Chunk.local``);
+    2. the local entries of chunks 0..k-1 run while they travel (k = the plan's lead, ``_lead``);
     3. chunk by chunk: wait its dispatch, run its remote entries, issue its O return;
-    4. chunk M-1's local entries run last, overlapping the returns; then every return is placed.
+    4. the local entries of chunks k..M-1 run while the returns travel; every return is placed, then the self
+       segments of those chunks are copied again (their returns left before their local rows were computed).
     """
     heads, M = cx.plan.heads, cx.plan.heads.num_chunks
     qv, kv_, vv = _views(q, k, v, heads)
     out_view = _uninitialized_like(qv)
     sends = heads.kv_send_chunks()  # K/V once per step: a chunk reading the previous chunk's kv piece reuses it
-    chunks: List[_Chunk] = []
-    for m in range(M):
-        pending = (_dispatch_q(cx, qv, m, "q"), _dispatch_kv(cx, kv_, vv, m, "kv") if sends[m] else None)
-        chunks.append(_Chunk(cx, m, pending))
-    last = chunks[-1]
-    last.deferred = last.split and not last.whole and M > 1
-    for m, chunk in enumerate(chunks):
-        if chunk.split and not chunk.deferred:
-            chunk.local(_kv_source(chunks, m))
+    lead = _lead(cx, M)
+    split = cx.tables.local is not None and lead <= M
+    chunks = [_Chunk(cx, m, (_dispatch_q(cx, qv, m, "q"), _dispatch_kv(cx, kv_, vv, m, "kv") if sends[m] else None),
+                     split) for m in range(M)]
+    lead = lead if split else 0
+    for m in range(lead):
+        chunks[m].local(_kv_source(chunks, m))
     returns = []
     for m, chunk in enumerate(chunks):
         chunk.arrive()
         chunk.remote(_kv_source(chunks, m))
-        returns.append(_return(cx, chunk.o_arr, m, "q_inv", "o", q.dtype))
-    if last.deferred:
-        last.local(_kv_source(chunks, M - 1))
+        o_send = chunk.o_arr if chunk.o_arr is not None else chunk.q_arr  # no entry computed yet: self rows only
+        returns.append(_return(cx, o_send, m, "q_inv", "o", q.dtype))
+    for m in range(lead, M):
+        chunks[m].local(_kv_source(chunks, m))
     for pending in returns:
         pending.into(out_view)
-    if last.deferred:
-        last.write_self(out_view)
+    if split:
+        for m in range(lead, M):
+            chunks[m].write_self(out_view)
     saved = [(c.q_arr, _kv_source(chunks, m), c.o_arr, c.lse) if keep_arranged else (c.lse,)
              for m, c in enumerate(chunks)]
     return out_view.view_as(q), saved
+
+
+def _lead(cx: _Ctx, M: int) -> int:
+    """Local chunks run before the first remote one: the plan's ``local_lead`` (``plan.timing.best_lead``; M + 1 =
+    no local split), else M - 1 (the last chunk's local entries overlap the returns), M without remote entries."""
+    if cx.tables.local is None:
+        return M + 1
+    if 0 <= cx.plan.local_lead <= M + 1:
+        return cx.plan.local_lead
+    return M if cx.tables.remote.batch.num_entries == 0 else M - 1
 
 
 def _kv_source(chunks: List[_Chunk], m: int):

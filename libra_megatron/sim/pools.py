@@ -130,7 +130,7 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, local_compute_seconds=local,
         comm_seconds=dispatch.sum(axis=1) + ret.sum(axis=1),
-        seconds=cost.worker_seconds(local, compute - local, dispatch, ret),
+        seconds=cost.worker_seconds(local, compute - local, dispatch, ret, plan.local_lead),
         bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
         num_fallback=int(placed.num_fallback),
     )
