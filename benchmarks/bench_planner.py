@@ -190,6 +190,7 @@ def bench_vrsp(flops, reps):
 
 
 def main() -> None:
+    global PLACEMENT, NUM_CHUNKS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pools", type=int, default=8, help="pools per trace and case")
     parser.add_argument("--reps", type=int, default=3)
@@ -204,7 +205,6 @@ def main() -> None:
                         help="auto: Python's garbage collector as is; manual: off, collected between pools "
                              "(Megatron's --manual-gc)")
     args = parser.parse_args()
-    global PLACEMENT, NUM_CHUNKS
     PLACEMENT, NUM_CHUNKS = TilePlacement(args.tile_placement), args.num_chunks
     set_gc_mode(args.gc)
     global CLOCK
