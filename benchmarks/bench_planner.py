@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--tile-placement", choices=[p.value for p in TilePlacement], default=PLACEMENT.value,
                         help="tile placement timed (default: the shipped one)")
     parser.add_argument("--num-chunks", type=int, default=NUM_CHUNKS, help="Pipeliner chunks M (default: shipped)")
+    parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=[c[0] for c in CASES],
+                        help="pool cases to time (default: all)")
     parser.add_argument("--gc", choices=["auto", "manual"], default="auto",
                         help="auto: Python's garbage collector as is; manual: off, collected between pools "
                              "(Megatron's --manual-gc)")
@@ -221,7 +223,7 @@ def main() -> None:
           f"medians; rank = slowest of {RANK_SAMPLES} ranks' RankPlan + run tables; total = build + place + exch + "
           f"rank; expand = slowest torch CPU expansion of those ranks' tables, training thread, not in total; gc max = "
           f"the most full-GC time inside one pool's timed work)")
-    for case in () if args.vrsp_only else CASES:
+    for case in () if args.vrsp_only else [c for c in CASES if c[0] in args.cases]:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)
     bench_vrsp(sequence_flops(segs_by_trace["linux"][256 * 1024]), 20 * args.reps)

@@ -68,26 +68,39 @@ def _refill_node(out: np.ndarray, f: np.ndarray, density: np.ndarray, node: np.n
     quota = np.bincount(out[away], weights=f[away], minlength=node.size)
     origin = out.copy()
     ranked = mine[np.lexsort((mine, -density[mine]))]  # densest first, then tile id
-    by_group = {}
-    for t in ranked.tolist():
-        by_group.setdefault(int(group[t]), []).append(t)
+    members = _members_by_group(ranked, group)
     taken = np.zeros(out.size, dtype=bool)
     for d in np.flatnonzero(quota > 0)[np.argsort(-quota[quota > 0], kind="stable")].tolist():
         room = quota[d]
-        for t in ranked[~taken[ranked]].tolist():
-            if room <= 0:
+        while room > 0:
+            free = ranked[~taken[ranked]]
+            fits = free[f[free] <= room]
+            if fits.size == 0:
                 break
-            if taken[t] or f[t] > room:
-                continue
-            for u in by_group[int(group[t])]:  # the tile's KV group first: its prefix is fetched once
-                if not taken[u] and f[u] <= room:
-                    out[u], taken[u] = d, True
-                    room -= f[u]
-        for t in away[(origin[away] == d) & ~taken[away]].tolist():  # top up with d's own tiles, as before
-            if f[t] <= room:
-                out[t], taken[t] = d, True
-                room -= f[t]
+            # the densest tile that fits, then its KV group's tiles in density order while they fit: the
+            # group's prefix is fetched once for all of them
+            room = _take(out, taken, f, fits[:1], d, room)
+            room = _take(out, taken, f, members[int(group[fits[0]])], d, room)
+        # what is left: the tiles that used to go to d, in their order, while they fit
+        room = _take(out, taken, f, away[origin[away] == d], d, room)
     _return_home(out, f, node, n, origin, mine[~taken[mine]])
+
+
+def _members_by_group(ranked: np.ndarray, group: np.ndarray) -> dict:
+    """group id -> its tiles among ``ranked``, in ranked order."""
+    keys = group[ranked]
+    order = np.argsort(keys, kind="stable")
+    cuts = np.flatnonzero(np.diff(keys[order])) + 1
+    return {int(g[0]): ranked[order][idx] for g, idx in zip(np.split(keys[order], cuts),
+                                                           np.split(np.arange(ranked.size), cuts))}
+
+
+def _take(out, taken, f, tiles: np.ndarray, d: int, room: float) -> float:
+    """Send the untaken ``tiles`` to d in order while they fit in ``room``; returns the room left."""
+    free = tiles[~taken[tiles]]
+    fit = free[np.cumsum(f[free]) <= room]
+    out[fit], taken[fit] = d, True
+    return room - float(f[fit].sum())
 
 
 def _return_home(out, f, node, n: int, origin, staying) -> None:
