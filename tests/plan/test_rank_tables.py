@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
-from libra_megatron.plan.local_entries import entry_pair_heads, rank_local_entries
+from libra_megatron.plan.local_entries import rank_local_entries
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables, rank_tables
 from libra_megatron.plan.tiles import build_tiles
