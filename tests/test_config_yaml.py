@@ -45,7 +45,7 @@ ROWS = [
     ("pool-size-float", "pool_size: 8.0\n", r"^pool_size \({f}:1\) must be a positive integer, got 8.0$"),
     ("pool-size-bool", "pool_size: yes\n", r"^pool_size \({f}:1\) must be a positive integer, got True$"),
     ("block-size-negative", "block_size: -4096\n", r"^block_size \({f}:1\) must be a positive integer, got -4096$"),
-    ("enum-unknown", "tile_placement: greedy\n", r"^tile_placement \({f}:1\) must be one of \{{home, alg2, refined, time\}}, got 'greedy'$"),
+    ("enum-unknown", "tile_placement: greedy\n", r"^tile_placement \({f}:1\) must be one of \{{home, alg2, refined, time, dense\}}, got 'greedy'$"),
     ("enum-list", "token_layout: [zigzag]\n", r"^token_layout \({f}:1\) must be one of .*got \['zigzag'\]$"),
     ("unknown-key", "libra:\n  pool_size: 2\n  pool_sise: 4\n",
      r"^{f}:3: unknown Libra key 'pool_sise' \(did you mean 'pool_size'\?\); known keys \(at top level or under 'libra:'\)"),

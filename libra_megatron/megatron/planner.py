@@ -114,12 +114,14 @@ class BackgroundPlanner:
         are then built in the thread too (otherwise on first ``get`` / first use).
     num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
         ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
+    timing: the ``plan.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
     """
 
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
-                 validate: bool = False, worker: Optional[int] = None, num_layers: int = 1):
+                 validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None):
         self.config, self.layout, self.heads = config, layout, heads
+        self._timing = timing  # plan.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
         self._num_layers = int(num_layers)
         self._plan_fn = plan_fn or _default_plan_fn
@@ -271,8 +273,9 @@ class BackgroundPlanner:
     def _plan_one(self, key: str, slot: _Slot) -> None:
         start = time.perf_counter()
         try:
+            extra = {} if self._timing is None else {"timing": self._timing}
             plan = self._plan_fn([list(s) for s in slot.segments], self.config, self.layout, self.heads,
-                                 validate=self._validate)
+                                 validate=self._validate, **extra)
             rank_ready = self._materialise_rank(plan, slot.submitted)
             saved, mode = self._memory(plan)
             latency = time.perf_counter() - start
@@ -343,7 +346,27 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     layers = -(-int(getattr(args, "num_layers", 1) or 1) // pp)
     return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window), worker=_pool_worker(),
-                             num_layers=layers)
+                             num_layers=layers, timing=_pool_timing(kv_channels))
+
+
+def _pool_timing(head_dim: int):
+    """The step-time model of this rank's pool: its workers' nodes = pool ranks // GPUs per node (torchrun's
+    LOCAL_WORLD_SIZE, else the visible CUDA devices, else 8); None before the pool groups exist (the placers
+    then assume consecutive GPUs from a node boundary). The same on every rank of a pool: same ranks, same env."""
+    import os
+
+    from ..plan.timing import StepTimeModel
+    from . import groups
+
+    if not groups.pool_groups_initialized():
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if per_node < 1:
+        import torch
+
+        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 8
+    nodes = tuple(int(r) // per_node for r in groups.get_pool_ranks())
+    return StepTimeModel(head_dim, gpus_per_node=per_node, worker_nodes=nodes)
 
 
 def _pool_worker() -> Optional[int]:

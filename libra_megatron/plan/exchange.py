@@ -204,6 +204,7 @@ class RankPlan:
     seq_k_len: np.ndarray
     fingerprint: str
     bytes_sent: Tuple[int, int, int] = (0, 0, 0)  # (q, kv, o) bytes this rank sends to others per layer
+    local_lead: int = -1  # local chunks run before the first remote one (plan.timing.best_lead); -1: M - 1
 
     @property
     def num_seqs(self) -> int:
@@ -234,6 +235,7 @@ class ExchangePlan:
     # (self included; O returns the Q units dst -> src). ``plan.traffic`` turns it into bytes per link and chunk.
     hosted_pair_heads: np.ndarray = None  # float64 [2, W]: Eq. 6 load each destination hosts in (local, remote)
     # varlen entries (``plan.local_entries``: local ones run while the dispatch is in flight); sums to the loads
+    local_lead: np.ndarray = None  # int64 [W]: every rank's ``RankPlan.local_lead`` (None: not timed, -1 each)
 
     @property
     def num_workers(self) -> int:
@@ -476,6 +478,7 @@ class _PlanTables:
     varlen: _Varlen
     bytes_sent: np.ndarray  # int64 [W, 3]
     fingerprint: str
+    local_lead: np.ndarray = None  # int64 [W] or None
 
     def rank_plan(self, rank: int) -> RankPlan:
         H, G = self.heads.head_split, self.heads.num_kv_classes
@@ -487,6 +490,7 @@ class _PlanTables:
             kv_route=self.kv.route(rank, G, self.local_tokens * G, self.kv_len[rank]),
             cu_seqlens_q=_frozen(cu), seq_kv_offset=_frozen(v.kv_offset[lo:hi]), seq_k_len=_frozen(v.k_len[lo:hi]),
             fingerprint=self.fingerprint, bytes_sent=tuple(int(b) for b in self.bytes_sent[rank]),
+            local_lead=-1 if self.local_lead is None else int(self.local_lead[rank]),
         )
 
 
@@ -598,7 +602,7 @@ def _check_assignment(tiles, assignment) -> np.ndarray:
     return _frozen(assignment)
 
 
-def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
+def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangePlan:
     """Turn a tile assignment (``assignment[t]`` = destination worker of tile t) into an ExchangePlan.
 
     Per destination, hosted tiles are ordered by (h, sequence, block start); the arranged Q buffer is
@@ -608,6 +612,8 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     Varlen entries are (tile, doc fragment) pairs, consecutive entries of one group with continuing rows
     merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
+    ``timing`` (a ``plan.timing.StepTimeModel``): every rank's Pipeliner lead is chosen under it
+    (``plan.timing.best_lead``; it orders local and remote kernel calls, never a collective).
     Cost: O(tiles + fragments + referenced groups * homes) here; O(the rank's runs) per RankPlan on access.
     """
     assignment = _check_assignment(tiles, assignment)
@@ -617,15 +623,28 @@ def build_exchange_plan(tiles, assignment: np.ndarray) -> ExchangePlan:
     kv_runs, kv_len, varlen, pairs = _kv_and_varlen(tiles, assignment, order, q_runs.tgt_start)
     sent = _bytes_sent(q_runs, kv_runs, heads, W)
     fp = _fingerprint(tiles, assignment, q_runs, pairs, varlen)
+    peers = _frozen(_peer_units(q_runs, kv_runs, W))
+    hosted = _hosted_pair_heads(q_runs, kv_runs, q_len, kv_len, varlen, heads)
+    lead = None if timing is None else _frozen(_lead(peers, hosted, heads, timing))
     tables = _PlanTables(
         heads=heads, local_tokens=tiles.layout.local_len, q=_RunIndex(q_runs, W), kv=_RunIndex(kv_runs, W),
-        q_len=q_len, kv_len=kv_len, varlen=varlen, bytes_sent=sent, fingerprint=fp,
+        q_len=q_len, kv_len=kv_len, varlen=varlen, bytes_sent=sent, fingerprint=fp, local_lead=lead,
     )
     totals = sent.sum(axis=0)
     return ExchangePlan(
         ranks=_LazyRankPlans(tables), assignment=assignment, fingerprint=fp,
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
         arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
-        peer_units=_frozen(_peer_units(q_runs, kv_runs, W)),
-        hosted_pair_heads=_hosted_pair_heads(q_runs, kv_runs, q_len, kv_len, varlen, heads),
+        peer_units=peers, hosted_pair_heads=hosted, local_lead=lead,
     )
+
+
+def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing) -> np.ndarray:
+    """int64 [W]: ``plan.timing.best_lead`` of every rank, from its local / remote loads and phase seconds."""
+    from .timing import best_lead
+    from .traffic import traffic_of_units
+
+    traffic = traffic_of_units(peer_units, heads)
+    dispatch, ret = traffic.phase_seconds(timing.nodes(traffic.num_workers), timing)
+    local, remote = (timing.compute_seconds(x) for x in hosted_pair_heads)
+    return best_lead(local, remote, dispatch, ret)

@@ -23,9 +23,11 @@ import numpy as np
 
 from ..config import TilePlacement
 from .alg2 import capacity, place_alg2, tile_loads
+from .exchange import build_exchange_plan
 from .kv_refs import fetched_groups
+from .node_export import export_dense_first
 from .tiles import TileSet
-from .timeaware import refine_for_time
+from .timeaware import plan_worker_seconds, refine_for_time
 from .timing import StepTimeModel
 
 __all__ = ["TilePlacementResult", "place_tiles", "assignment_comm_bytes", "worker_loads"]
@@ -42,6 +44,8 @@ class TilePlacementResult:
     capacity     float              C = (1 + tau) * sum(f) / W (Algorithm 2, line 3)
     comm_bytes   (q, kv, o) ints    Eq. 8 total of the assignment split by kind (bytes per layer forward)
     num_fallback int                tiles placed by the fallback branch (no worker had headroom)
+    exchange     ExchangePlan|None  the plan of ``assignment`` when the placer built it (DENSE prices both
+                                    candidates with their plans; ``plan_pool`` reuses it instead of rebuilding)
     """
 
     assignment: np.ndarray
@@ -49,6 +53,7 @@ class TilePlacementResult:
     capacity: float
     comm_bytes: Tuple[int, int, int]
     num_fallback: int = 0
+    exchange: object = None
 
     def __post_init__(self) -> None:
         if self.assignment.ndim != 1 or self.loads.ndim != 1:
@@ -154,12 +159,29 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     return timed, cap, fallbacks, assignment_comm_bytes(tiles, timed)
 
 
+def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
+    """ALG2, then ``plan.node_export.export_dense_first`` over the nodes of ``timing``; the faster of the two
+    under ``timing`` (slowest worker; ties keep Algorithm 2). Returns the placer tuple plus the winner's plan."""
+    timing = timing or StepTimeModel(tiles.heads.head_dim)
+    start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
+    base = build_exchange_plan(tiles, start, timing)
+    dense = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
+    if np.array_equal(dense, start):
+        return start, cap, fallbacks, comm, base
+    other = build_exchange_plan(tiles, dense, timing)
+    if plan_worker_seconds(other, timing).max() < plan_worker_seconds(base, timing).max():
+        return dense, cap, fallbacks, assignment_comm_bytes(tiles, dense), other
+    return start, cap, fallbacks, comm, base
+
+
 _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
     TilePlacement.HOME: _run_home,
     TilePlacement.ALG2: place_alg2,
     TilePlacement.REFINED: _run_refined,
     TilePlacement.TIME: _run_time,
+    TilePlacement.DENSE: _run_dense,
 }
+_TIMED = (TilePlacement.TIME, TilePlacement.DENSE)  # the placers that read a timing model
 
 
 def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
@@ -174,16 +196,20 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
     TIME: ALG2, then ``plan.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
+    DENSE: ALG2, then dense-first node export (``plan.node_export``) over ``timing``'s nodes, kept only when
+    its slowest worker is faster under ``timing``; never slower than ALG2 under that model.
     """
     method = TilePlacement(method)
-    if timing is not None and method is not TilePlacement.TIME:
-        raise ValueError(f"place_tiles: a timing model is only read by tile placement 'time', not {method.value!r}")
-    extra = (timing,) if method is TilePlacement.TIME else ()
-    assignment, cap, fallbacks, comm = _PLACERS[method](tiles, tau, tile_cost, *extra)
+    if timing is not None and method not in _TIMED:
+        raise ValueError(f"place_tiles: a timing model is only read by tile placement 'time' or 'dense', "
+                         f"not {method.value!r}")
+    extra = (timing,) if method in _TIMED else ()
+    assignment, cap, fallbacks, comm, *planned = _PLACERS[method](tiles, tau, tile_cost, *extra)
     return TilePlacementResult(
         assignment=assignment,
         loads=worker_loads(tiles, assignment, tile_cost),
         capacity=cap,
         comm_bytes=tuple(int(x) for x in comm),
         num_fallback=int(fallbacks),
+        exchange=planned[0] if planned else None,
     )

@@ -9,10 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..config import LibraConfig, flag_name
+from ..config import LibraConfig, TilePlacement, flag_name
 from .exchange import ExchangePlan, build_exchange_plan
 from .layout import HeadLayout, TokenLayout
 from .tiles import TileSet, build_tiles
+from .timing import StepTimeModel
 
 __all__ = ["PoolPlan", "plan_pool", "place_pool_tiles"]
 
@@ -59,6 +60,7 @@ def plan_pool(
     *,
     validate: bool = True,
     tile_cost_model=None,
+    timing=None,
 ) -> PoolPlan:
     """Plan one pool: ``seq_segments[p]`` are the document lengths of its p-th packed sequence.
 
@@ -66,10 +68,16 @@ def plan_pool(
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
     ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
     that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
+    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and is
+    read by tile placement 'time' and 'dense'; None = its default rates, the pool's workers consecutive GPUs
+    from a node boundary.
     """
     start = time.perf_counter()
-    tiles, placement = place_pool_tiles(seq_segments, config, layout, heads, tile_cost_model=tile_cost_model)
-    exchange = build_exchange_plan(tiles, placement.assignment)
+    tiles, placement = place_pool_tiles(seq_segments, config, layout, heads, tile_cost_model=tile_cost_model,
+                                        timing=timing)
+    timing = timing if timing is not None else StepTimeModel(heads.head_dim)  # chooses every rank's Pipeliner lead
+    exchange = placement.exchange if placement.exchange is not None else \
+        build_exchange_plan(tiles, placement.assignment, timing)
     if validate:
         from .validate import validate_plan
 
@@ -78,7 +86,7 @@ def plan_pool(
 
 
 def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,
-                     heads: HeadLayout, *, tile_cost_model=None) -> tuple:
+                     heads: HeadLayout, *, tile_cost_model=None, timing=None) -> tuple:
     """(TileSet, TilePlacementResult) of one pool: ``plan_pool``'s tiles and TAP placement, no exchange plan."""
     from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
 
@@ -86,4 +94,6 @@ def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig,
     tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
                         kv_fetch=config.kv_fetch)
     tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
-    return tiles, place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost)
+    timed = TilePlacement(config.tile_placement) in (TilePlacement.TIME, TilePlacement.DENSE)
+    return tiles, place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost,
+                              timing=timing if timed else None)

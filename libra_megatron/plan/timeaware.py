@@ -33,7 +33,7 @@ from .tiles import TileSet, causal_pairs
 from .timing import StepTimeModel
 from .traffic import chunk_phase_bytes, plan_traffic
 
-__all__ = ["refine_for_time", "worker_times", "MAX_MOVES_PER_WORKER"]
+__all__ = ["refine_for_time", "worker_times", "plan_worker_seconds", "MAX_MOVES_PER_WORKER"]
 
 MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
 _TILES_PER_KIND = 10  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
@@ -181,11 +181,17 @@ class _PoolTraffic:
 
 def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray:
     """float64 [W]: seconds of every worker under ``model`` for ``assignment``, priced from the exchange plan
-    the runtime executes (``plan.traffic`` phases, ``ExchangePlan.hosted_pair_heads``)."""
-    plan = build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64))
-    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(tiles.num_workers), model)
+    the runtime executes (``plan_worker_seconds``)."""
+    return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64)), model)
+
+
+def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
+    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
+    timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
+    (``plan.traffic``) -- what the simulator prices."""
+    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(plan.num_workers), model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
-    return model.worker_seconds(local, remote, dispatch, ret)
+    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead)
 
 
 def _largest(items, key, limit: int) -> List[int]:

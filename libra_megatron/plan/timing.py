@@ -7,20 +7,19 @@ Pure numpy; one rule shared by the simulator (``sim.cost``, ``sim.pools``) and t
     X_m = remote compute / M     every other entry
     D_m, R_m                     seconds of chunk m's dispatch (Q/M, plus K/V/F when chunk m sends K/V) and
                                  return (O/M) on the worker's link (``PlanTraffic.phase_seconds``)
-The runtime's forward (``runtime.libra_attn._fwd``, local-first) runs, per worker:
-    issue D_0
-    for m in 0..M-1:
-        if m+1 < M: issue D_{m+1}              (D_0 and D_1 are both issued at t = 0)
-        if m < M-1: compute L_m                 (local entries: overlap the dispatch in flight)
-        wait D_m; compute X_m; issue R_m
-        if m == M-1: compute L_m                (last chunk: local after remote, so R_{M-1} overlaps it)
-        if m > 0: wait R_{m-1}                  (a stream wait: later compute waits for that transfer)
-    wait R_{M-1}
-Two resources: one FIFO comm link (transfers run one at a time in issue order D_0, D_1, R_0, D_2, R_1, ...,
+The runtime's forward (``runtime.libra_attn._fwd``) runs, per worker, with k = the worker's *lead* (local
+chunks computed before the first remote one; ``best_lead`` picks it per worker, the plan carries it):
+    issue D_0, D_1, ..., D_{M-1}                (all at t = 0; they queue on the link in chunk order)
+    compute L_0 .. L_{k-1}                      (local entries: overlap the dispatches in flight)
+    for m in 0..M-1: wait D_m; compute X_m; issue R_m
+    compute L_k .. L_{M-1}                      (the rest of the local entries overlap the returns)
+    wait R_0 .. R_{M-1}
+k = M + 1 means no local split: each chunk's entries run in one call after its dispatch (L = 0, X = all).
+Two resources: one FIFO comm link (transfers run one at a time in issue order D_0, ..., D_{M-1}, R_0, ...,
 R_{M-1}; each starts at max(issue time, link free)) and one compute stream (sequential; a wait blocks later
 compute until the transfer ends). seconds = when the last wait returns; compute = sum(L) + sum(X); exposed
-communication = seconds - compute. With L = 0 (``local_first=False``) it is the previous runtime's schedule
-(every entry after its chunk's dispatch arrived).
+communication = seconds - compute. With L = 0 (``local_first=False``) every entry waits for its chunk's
+dispatch (the runtime where no entry is local; and the price of this schedule without the local split).
 
 Default rates (the simulator's and ``StepTimeModel``'s; one place): H200-class bf16 attention, NVLink-class
 intra-node and 400 Gb/s-class inter-node links per GPU, 8 GPUs per node.
@@ -33,7 +32,7 @@ from typing import Tuple
 
 import numpy as np
 
-__all__ = ["StepTimeModel", "pipeline_seconds", "link_seconds", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS",
+__all__ = ["StepTimeModel", "pipeline_seconds", "best_lead", "link_seconds", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS",
            "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"]
 
 GB = 1e9
@@ -53,13 +52,36 @@ def link_seconds(intra_bytes, inter_bytes, intra_node_gbps: float, inter_node_gb
 
 
 def pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds,
-                     local_first: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+                     local_first: bool = True, lead=None) -> Tuple[np.ndarray, np.ndarray]:
     """(seconds [W], compute [W]) of the Pipeliner timeline (module docstring), vectorised over workers.
 
     local_compute, remote_compute  float [W]: seconds of the worker's local / remote entries (all M chunks)
     dispatch_seconds, return_seconds  float [W, M]: link seconds of chunk m's dispatch / return
-    local_first  False: the previous runtime (local entries computed with the remote ones, after the wait)
+    local_first  False: local entries run with the remote ones, after their chunk's dispatch (for comparison)
+    lead         int [W] in [0, M + 1]: local chunks before the first remote one, M + 1 = no local split
+                 (default ``best_lead``)
     """
+    local, remote, dispatch, ret = _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds)
+    compute = local + remote
+    if not local_first:
+        local, remote = np.zeros_like(local), compute
+    if lead is None:
+        lead = best_lead(local, remote, dispatch, ret)
+    return _timeline(local, remote, dispatch, ret, np.broadcast_to(np.asarray(lead, dtype=np.int64), local.shape)), compute
+
+
+def best_lead(local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
+    """int64 [W]: the lead in [0, M + 1] with the shortest timeline per worker (ties, to 1e-12 relative: the
+    largest). Lead M + 1 = no local split: every entry in its chunk's single call, after the dispatch."""
+    local, remote, dispatch, ret = _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds)
+    M = dispatch.shape[1]
+    times = np.stack([_timeline(local, remote, dispatch, ret, np.full(local.shape, k, dtype=np.int64))
+                      for k in range(M + 2)])  # [M+2, W]
+    near = times <= times.min(axis=0) * (1.0 + 1e-12) + 1e-300  # floating-point ties count as ties
+    return (M + 1 - np.argmax(near[::-1], axis=0)).astype(np.int64)
+
+
+def _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds):
     local = np.asarray(local_compute, dtype=np.float64)
     remote = np.asarray(remote_compute, dtype=np.float64)
     dispatch = np.asarray(dispatch_seconds, dtype=np.float64)
@@ -68,32 +90,22 @@ def pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_sec
             local.shape != remote.shape or dispatch.shape[1] < 1:
         raise ValueError(f"pipeline_seconds needs local, remote [W] and dispatch, return [W, M >= 1] seconds, got "
                          f"{local.shape}, {remote.shape}, {dispatch.shape}, {ret.shape}")
-    compute = local + remote
+    return local, remote, dispatch, ret
+
+
+def _timeline(local, remote, dispatch, ret, lead) -> np.ndarray:
+    """seconds [W] of the listing with lead k = ``lead`` [W] (k = M + 1: no local split)."""
     M = dispatch.shape[1]
-    early = local / M if local_first else np.zeros_like(local)  # L_m
-    late = (remote if local_first else compute) / M  # X_m
-    link = np.zeros_like(local)  # when the FIFO link is free
-
-    def transfer(issue, seconds):
-        nonlocal link
-        link = np.maximum(issue, link) + seconds
-        return link
-
-    t = np.zeros_like(local)  # compute stream clock
-    arrived = [transfer(t, dispatch[:, 0])]
-    returned = None
+    unsplit = lead > M
+    local, remote, lead = np.where(unsplit, 0.0, local), np.where(unsplit, local + remote, remote), np.minimum(lead, M)
+    arrived = np.cumsum(dispatch, axis=1)  # D_m issued at t = 0, one after another on the link
+    link = arrived[:, -1]
+    t = local * lead / M  # L_0 .. L_{k-1}
     for m in range(M):
-        if m + 1 < M:
-            arrived.append(transfer(t, dispatch[:, m + 1]))
-            t = t + early
-        t = np.maximum(t, arrived[m]) + late
-        done = transfer(t, ret[:, m])
-        if m == M - 1:
-            t = t + early
-        if returned is not None:
-            t = np.maximum(t, returned)
-        returned = done
-    return np.maximum(t, returned), compute
+        t = np.maximum(t, arrived[:, m]) + remote / M
+        link = np.maximum(t, link) + ret[:, m]  # R_m issued after X_m
+    t = t + local * (M - lead) / M  # L_k .. L_{M-1}
+    return np.maximum(t, link)
 
 
 @dataclass(frozen=True)
@@ -101,8 +113,10 @@ class StepTimeModel:
     """The constant-rate time model of one pool (defaults: the module constants).
 
     first_gpu: global GPU index of pool worker 0; worker w sits on node (first_gpu + w) // gpus_per_node.
-    local_first: the runtime computes local entries while the dispatch is in flight (False: the previous
-    schedule, for comparison).
+    worker_nodes: when given, the node of every pool worker (a run's pool ranks // GPUs per node: with TP > 1
+        a pool's workers are not consecutive GPUs); it overrides first_gpu / gpus_per_node in ``nodes``.
+    local_first: the runtime computes local entries while the dispatches are in flight (False: every entry
+    after its chunk's dispatch, for comparison).
     """
 
     head_dim: int
@@ -111,6 +125,7 @@ class StepTimeModel:
     inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     first_gpu: int = 0
+    worker_nodes: tuple = ()
     local_first: bool = True
 
     def __post_init__(self) -> None:
@@ -126,6 +141,11 @@ class StepTimeModel:
 
     def nodes(self, num_workers: int) -> np.ndarray:
         """int64 [W]: node of every pool worker."""
+        if self.worker_nodes:
+            if len(self.worker_nodes) != num_workers:
+                raise ValueError(f"StepTimeModel.worker_nodes names {len(self.worker_nodes)} workers, the pool has "
+                                 f"{num_workers}")
+            return np.asarray(self.worker_nodes, dtype=np.int64)
         return (self.first_gpu + np.arange(num_workers, dtype=np.int64)) // self.gpus_per_node
 
     def compute_seconds(self, pair_heads) -> np.ndarray:
@@ -134,6 +154,7 @@ class StepTimeModel:
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
-        """float64 [W]: compute + exposed comm per worker (``pipeline_seconds``)."""
-        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first)[0]
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None) -> np.ndarray:
+        """float64 [W]: compute + exposed comm per worker (``pipeline_seconds``; ``lead`` None = the best)."""
+        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first,
+                                lead)[0]

@@ -22,7 +22,7 @@ import numpy as np
 
 from .layout import HeadLayout
 
-__all__ = ["PlanTraffic", "plan_traffic", "chunk_phase_bytes"]
+__all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,8 +95,12 @@ def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayou
 
 def plan_traffic(plan) -> PlanTraffic:
     """``PlanTraffic`` of an ``ExchangePlan`` built by ``build_exchange_plan``."""
-    heads = plan.heads
-    units = np.asarray(plan.peer_units, dtype=np.float64).copy()
+    return traffic_of_units(plan.peer_units, plan.heads)
+
+
+def traffic_of_units(peer_units, heads: HeadLayout) -> PlanTraffic:
+    """``PlanTraffic`` of (Q, KV) units per (src, dst) pair, int [2, W, W] (``ExchangePlan.peer_units``)."""
+    units = np.asarray(peer_units, dtype=np.float64).copy()
     diag = np.arange(units.shape[1])
     units[:, diag, diag] = 0.0
     return PlanTraffic(q=units[0] * heads.q_bytes_per_token(), kv=units[1] * heads.kv_bytes_per_token(), heads=heads)

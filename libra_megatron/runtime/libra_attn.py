@@ -11,13 +11,16 @@ Shape legend (one rank):
 
 Forward, per chunk m: gather Q and K|V rows, all_to_all along ``q_route`` / ``kv_route``, place into the
 arranged buffers, one varlen causal kernel call over all hosted tiles, return O along ``q_route.inverse()``.
-Pipeliner: chunk m+1 is dispatched and chunk m-1 returned (async) while chunk m computes.
-Local first (``plan.local_entries``, issue 14): where some of a rank's varlen entries read only rows it sends
-itself, every chunk places the all_to_all's self segment straight from the send buffer and computes those
-*local* entries before waiting for the dispatch, then the *remote* entries after it (two kernel calls: queries
-gathered by ``q_rows``, outputs and lse scattered back). On the last chunk the order flips -- remote entries,
-issue the O return, then the local entries -- so the return overlaps compute too; the return's self segment
-then carried rows not yet computed, and is copied into the output again once it has been placed.
+Pipeliner (forward, issue 14): every chunk's dispatch is issued at once (they queue on the pool's
+communicator in chunk order, so chunk 0 arrives first). Where some of a rank's varlen entries read only rows
+it sends itself (``plan.local_entries``), those *local* entries run from the all_to_all's self segment,
+placed straight from the send buffer: the local entries of chunks 0..k-1 while the dispatches travel, those
+of chunks k..M-1 while the O returns travel, k = the plan's lead for this rank (``RankPlan.local_lead``,
+chosen by ``plan.timing.best_lead``). In between, chunk by chunk: wait its dispatch, run its *remote* entries
+(a second kernel call: queries gathered by ``q_rows``, outputs and lse scattered back), issue its O return. A
+chunk whose local entries ran after its return left sent uninitialised self rows; its self segment is copied
+into the output again once every return was placed. Receive buffers of all M dispatches can be alive at once
+(each freed when placed): at most the arranged Q and K|V of one layer, which ARRANGED mode keeps anyway.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
 to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
@@ -153,85 +156,108 @@ def _fwd_part(cx: _Ctx, q_arr, kv_arr, part, o_arr=None, lse=None):
     return o_arr, lse
 
 
-class _LocalFirstChunk:
-    """One chunk under the local-first split (``plan.local_entries``): the self segments are placed and the
-    local entries computed while the dispatch is in flight; the remote entries after it arrived. On the last
-    chunk the local entries run after the O return was issued (``finish``), so the return overlaps them."""
+class _Chunk:
+    """One chunk's destination side: its arranged buffers, O and lse, and -- under the local-first split
+    (``plan.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
 
-    def __init__(self, cx: _Ctx, current, kv_prev, last: bool):
-        q_pend, kv_pend = current
-        self.cx, self.q_arr = cx, q_pend.self_placed()
-        self.kv_arr = kv_pend.self_placed() if kv_pend is not None else kv_prev
-        self.whole = cx.tables.remote.batch.num_entries == 0  # every entry local: one call, no gather
-        self.o_arr = self.lse = None
-        self.deferred = last and not self.whole
-        if not self.deferred:
-            self._local()
-        q_pend.rest_placed(self.q_arr)
-        if kv_pend is not None:
-            kv_pend.rest_placed(self.kv_arr)
-        if not self.whole:
-            self.o_arr, self.lse = _fwd_part(cx, self.q_arr, self.kv_arr, cx.tables.remote, self.o_arr, self.lse)
+    def __init__(self, cx: _Ctx, m: int, pending, split: bool):
+        self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
+        self.split = split
+        self.whole = self.split and cx.tables.remote.batch.num_entries == 0  # every entry local: one call
+        self.o_arr = self.lse = self.kv_arr = None
+        if self.split:  # the rows this rank sends itself are in its send buffer already
+            self.q_arr = self.q_pend.self_placed()
+            self.kv_arr = self.kv_pend.self_placed() if self.kv_pend is not None else None
 
-    def _local(self) -> None:
+    def local(self, kv_arr) -> None:
+        """Local entries (before any wait); with no split, nothing to do."""
+        if not self.split:
+            return
         if self.whole:
-            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, self.kv_arr)
+            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
         else:
-            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, self.kv_arr, self.cx.tables.local, self.o_arr,
-                                             self.lse)
+            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.local, self.o_arr, self.lse)
 
-    def finish(self) -> None:
-        """After the chunk's O return was issued: compute deferred local entries. Their rows went out of
-        ``o_arr`` uninitialised in the return's self segment, so ``write_self`` copies the self segment into
-        ``out_view`` again after the return has been placed."""
-        if self.deferred:
-            self._local()
+    def arrive(self) -> None:
+        """Wait for the dispatch and place what other ranks sent."""
+        if self.split:
+            self.q_pend.rest_placed(self.q_arr)
+            if self.kv_pend is not None:
+                self.kv_pend.rest_placed(self.kv_arr)
+        else:
+            self.q_arr = self.q_pend.placed()
+            self.kv_arr = self.kv_pend.placed() if self.kv_pend is not None else None
 
-    def write_self(self, m: int, out_view) -> None:
-        """Self segment of chunk m's O, from ``o_arr`` into ``out_view`` (only when local entries were deferred)."""
-        if self.deferred:
-            idx = self.cx.tables.chunks[m].q_inv
-            sp = idx.splits
-            rows = idx.send_rows[sp.self_send_offset : sp.self_send_offset + sp.self_rows]
-            home = idx.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
-            out_view.index_put_((home,), self.o_arr.index_select(0, rows).to(out_view.dtype))
+    def remote(self, kv_arr) -> None:
+        """Entries that needed the dispatch (all of them without a split)."""
+        if not self.split:
+            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
+        elif not self.whole:
+            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.remote, self.o_arr, self.lse)
+
+    def write_self(self, out_view) -> None:
+        """Self segment of this chunk's O, from ``o_arr`` into ``out_view``: when its local entries ran after its
+        return was issued, the return's self segment carried rows not yet computed (call after it was placed)."""
+        idx = self.cx.tables.chunks[self.m].q_inv
+        sp = idx.splits
+        rows = idx.send_rows[sp.self_send_offset : sp.self_send_offset + sp.self_rows]
+        home = idx.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
+        out_view.index_put_((home,), self.o_arr.index_select(0, rows).to(out_view.dtype))
 
 
 def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
-    """Pipelined forward. Returns (out like q, per-chunk saved tensors [(q_arr, kv_arr, o_arr, lse)])."""
-    heads = cx.plan.heads
+    """Forward (module docstring, "Pipeliner"). Returns (out like q, per-chunk saved [(q_arr, kv_arr, o_arr, lse)]).
+
+    1. every chunk's dispatch is issued at once (they queue on the pool's communicator in chunk order);
+    2. the local entries of chunks 0..k-1 run while they travel (k = the plan's lead, ``_lead``);
+    3. chunk by chunk: wait its dispatch, run its remote entries, issue its O return;
+    4. the local entries of chunks k..M-1 run while the returns travel; every return is placed, then the self
+       segments of those chunks are copied again (their returns left before their local rows were computed).
+    """
+    heads, M = cx.plan.heads, cx.plan.heads.num_chunks
     qv, kv_, vv = _views(q, k, v, heads)
     out_view = _uninitialized_like(qv)
-    saved: List[tuple] = []
     sends = heads.kv_send_chunks()  # K/V once per step: a chunk reading the previous chunk's kv piece reuses it
-    split = cx.tables.local is not None  # some entries are local: local-first (module docstring)
-    incoming = (_dispatch_q(cx, qv, 0, "q"), _dispatch_kv(cx, kv_, vv, 0, "kv"))
-    outgoing = kv_arr = chunk = None
-    M = heads.num_chunks
-    for m in range(M):
-        current = incoming
-        if m + 1 < M:  # dispatch m+1 before computing m (§4.4)
-            incoming = (_dispatch_q(cx, qv, m + 1, "q"), _dispatch_kv(cx, kv_, vv, m + 1, "kv") if sends[m + 1] else None)
-        if split:
-            chunk = _LocalFirstChunk(cx, current, kv_arr, last=m == M - 1)
-            q_arr, kv_arr = chunk.q_arr, chunk.kv_arr
-        else:
-            q_arr = current[0].placed()
-            kv_arr = current[1].placed() if current[1] is not None else kv_arr
-            chunk = None
-        o_arr, lse = (chunk.o_arr, chunk.lse) if chunk is not None else _fwd_chunk(cx, q_arr, kv_arr)
-        returning = _return(cx, o_arr, m, "q_inv", "o", q.dtype)
-        if chunk is not None:
-            chunk.finish()
-            o_arr, lse = chunk.o_arr, chunk.lse
-        if outgoing is not None:
-            outgoing.into(out_view)  # chunk m-1's O arrived while chunk m computed
-        outgoing = returning
-        saved.append((q_arr, kv_arr, o_arr, lse) if keep_arranged else (lse,))
-    outgoing.into(out_view)
-    if chunk is not None:
-        chunk.write_self(M - 1, out_view)
+    lead = _lead(cx, M)
+    split = cx.tables.local is not None and lead <= M
+    chunks = [_Chunk(cx, m, (_dispatch_q(cx, qv, m, "q"), _dispatch_kv(cx, kv_, vv, m, "kv") if sends[m] else None),
+                     split) for m in range(M)]
+    lead = lead if split else 0
+    for m in range(lead):
+        chunks[m].local(_kv_source(chunks, m))
+    returns = []
+    for m, chunk in enumerate(chunks):
+        chunk.arrive()
+        chunk.remote(_kv_source(chunks, m))
+        o_send = chunk.o_arr if chunk.o_arr is not None else chunk.q_arr  # no entry computed yet: self rows only
+        returns.append(_return(cx, o_send, m, "q_inv", "o", q.dtype))
+    for m in range(lead, M):
+        chunks[m].local(_kv_source(chunks, m))
+    for pending in returns:
+        pending.into(out_view)
+    if split:
+        for m in range(lead, M):
+            chunks[m].write_self(out_view)
+    saved = [(c.q_arr, _kv_source(chunks, m), c.o_arr, c.lse) if keep_arranged else (c.lse,)
+             for m, c in enumerate(chunks)]
     return out_view.view_as(q), saved
+
+
+def _lead(cx: _Ctx, M: int) -> int:
+    """Local chunks run before the first remote one: the plan's ``local_lead`` (``plan.timing.best_lead``; M + 1 =
+    no local split), else M - 1 (the last chunk's local entries overlap the returns), M without remote entries."""
+    if cx.tables.local is None:
+        return M + 1
+    if 0 <= cx.plan.local_lead <= M + 1:
+        return cx.plan.local_lead
+    return M if cx.tables.remote.batch.num_entries == 0 else M - 1
+
+
+def _kv_source(chunks: List[_Chunk], m: int):
+    """Arranged K|V chunk m reads: that of the latest chunk <= m that sent K/V (kv pieces are sent once)."""
+    while chunks[m].kv_pend is None:
+        m -= 1
+    return chunks[m].kv_arr
 
 
 # ============================================================================ backward

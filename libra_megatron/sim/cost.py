@@ -139,15 +139,17 @@ class CostModel:
         """Per worker: max(intra / intra bw, inter / inter bw); bytes already max(sent, received)."""
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None) -> np.ndarray:
         """compute + exposed comm per worker: the Pipeliner timeline (``plan.timing.pipeline_seconds``) over
-        the worker's local / remote compute seconds and its per-chunk dispatch / return link seconds [W, M]."""
-        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first)[0]
+        the worker's local / remote compute seconds and its per-chunk dispatch / return link seconds [W, M];
+        ``lead`` = the plan's per-rank leads (None: each worker's best, what a plan built under this model has)."""
+        return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first,
+                                lead)[0]
 
     def step_time_model(self, first_gpu: int) -> StepTimeModel:
         """The constant-rate model ``plan.timeaware`` places by (the calibration table, if any, is not used)."""
         return StepTimeModel(self.head_dim, self.attn_tflops, self.intra_node_gbps, self.inter_node_gbps,
-                             self.gpus_per_node, int(first_gpu), self.local_first)
+                             self.gpus_per_node, int(first_gpu), local_first=self.local_first)
 
     def assumptions(self) -> Dict[str, object]:
         """JSON-ready record of what the time estimates assumed."""

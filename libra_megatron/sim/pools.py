@@ -121,7 +121,7 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.traffic``,
     ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
     assert cost.num_chunks == tiles.heads.num_chunks
-    plan = build_exchange_plan(tiles, placed.assignment)
+    plan = placed.exchange if placed.exchange is not None else build_exchange_plan(tiles, placed.assignment)
     traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
@@ -130,7 +130,7 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, local_compute_seconds=local,
         comm_seconds=dispatch.sum(axis=1) + ret.sum(axis=1),
-        seconds=cost.worker_seconds(local, compute - local, dispatch, ret),
+        seconds=cost.worker_seconds(local, compute - local, dispatch, ret, plan.local_lead),
         bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
         num_fallback=int(placed.num_fallback),
     )
@@ -194,7 +194,7 @@ class PoolEvaluator:
         hit = self._cache.get(key)
         if hit is None:
             tiles = self._tileset(tkey, knobs)
-            timed = TilePlacement(method) is TilePlacement.TIME  # places by node, so the node offset is a key
+            timed = TilePlacement(method) in (TilePlacement.TIME, TilePlacement.DENSE)  # by node: offset is a key
             node_offset = first_gpu % self.cost.gpus_per_node if timed else None
             pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)

@@ -105,7 +105,7 @@ def test_bad_yaml_is_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"libra.yaml:2: unknown Libra key 'pool_sise' \(did you mean 'pool_size'"):
         libra_config_from_args(_args(["--libra-config", unknown]))
     bad_enum = _yaml(tmp_path, {"tile_placement": "greedy"}, "enum.yaml")
-    with pytest.raises(ValueError, match=r"^tile_placement \(\S*enum.yaml:1\) must be one of \{home, alg2, refined, time\}"):
+    with pytest.raises(ValueError, match=r"^tile_placement \(\S*enum.yaml:1\) must be one of \{home, alg2, refined, time, dense\}"):
         libra_config_from_args(_args(["--libra-config", bad_enum]))
     with pytest.raises(ValueError, match="--libra-config .*missing.yaml: no such file"):
         libra_config_from_args(_args(["--libra-config", str(tmp_path / "missing.yaml")]))

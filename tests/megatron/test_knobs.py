@@ -175,6 +175,8 @@ def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thre
 
     monkeypatch.setattr(groups, "pool_groups_initialized", lambda: True)
     monkeypatch.setattr(groups, "get_pool_rank", lambda: 1)
+    monkeypatch.setattr(groups, "get_pool_ranks", lambda: [7, 8])  # a pool straddling two 8-GPU nodes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = argparse.Namespace(context_parallel_size=1, tensor_model_parallel_size=1, num_attention_heads=HQ,
                               num_query_groups=HKV, group_query_attention=True, kv_channels=D, hidden_size=HQ * D,
                               bf16=True, seq_length=L, data_parallel_size=2, global_batch_size=4,
@@ -182,7 +184,9 @@ def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thre
     config = LibraConfig(**dict(BASE, token_layout="zigzag"))
     with build_planner_from_args(config, args) as planner:
         assert planner._worker == 1 and planner._num_layers == 3
+        assert planner._timing.nodes(2).tolist() == [0, 1]  # ranks 7, 8 // LOCAL_WORLD_SIZE 8
         planned = planner.get_pool(POOL)
+        assert planned.pool_plan.exchange.local_lead is not None  # every rank's Pipeliner lead, chosen on its nodes
         assert planned.rank_ready_s is not None and planned.rank_ready_s >= planned.queued_s
         assert planned.pool_plan.exchange.for_rank(1) in rank_tables._CACHE  # built by the thread
         assert planned.save_mode is SaveModeName.ARRANGED  # tiny plan, 16 GiB default budget

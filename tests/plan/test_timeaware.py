@@ -98,7 +98,7 @@ def test_refined_assignment_is_kept_only_when_the_exchange_plans_say_it_is_faste
 
 
 def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):
-    with pytest.raises(ValueError, match="only read by tile placement 'time', not 'alg2'"):
+    with pytest.raises(ValueError, match="only read by tile placement 'time' or 'dense', not 'alg2'"):
         place_tiles(wiki_pool, 0.03, TilePlacement.ALG2, timing=StepTimeModel(16))
     with pytest.raises(ValueError, match="StepTimeModel.inter_node_gbps must be a finite number > 0, got 0"):
         StepTimeModel(16, inter_node_gbps=0)

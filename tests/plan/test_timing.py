@@ -7,33 +7,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra_megatron.plan.timing import StepTimeModel, pipeline_seconds
+from libra_megatron.plan.timing import StepTimeModel, best_lead, pipeline_seconds
 
 
-def _listing(M: int):
-    """The local-first forward of ``runtime.libra_attn._fwd`` as written in the issue, one op per line."""
-    ops = [("issue", "D", 0)]
+def _listing(M: int, lead: int):
+    """The forward of ``runtime.libra_attn._fwd`` as listed in ``plan.timing``, one op per line."""
+    ops = [("issue", "D", m) for m in range(M)] + [("compute", "L", m) for m in range(lead)]
     for m in range(M):
-        if m + 1 < M:
-            ops.append(("issue", "D", m + 1))
-        if m < M - 1:
-            ops.append(("compute", "L", m))
         ops += [("wait", "D", m), ("compute", "X", m), ("issue", "R", m)]
-        if m == M - 1:
-            ops.append(("compute", "L", m))
-        if m > 0:
-            ops.append(("wait", "R", m - 1))
-    return ops + [("wait", "R", M - 1)]
+    ops += [("compute", "L", m) for m in range(lead, M)]
+    return ops + [("wait", "R", m) for m in range(M)]
 
 
-def _interpret(local, remote, dispatch, ret):
+def _interpret(local, remote, dispatch, ret, lead):
     """Scalar reference: walk the listing with a compute clock and a FIFO link (a transfer starts when it is
     issued and the link is free; a wait moves the compute clock to the transfer's end)."""
     M = len(dispatch)
     seconds = {"D": dispatch, "R": ret, "L": [local / M] * M, "X": [remote / M] * M}
     clock = link = 0.0
     ends = {}
-    for op, kind, m in _listing(M):
+    for op, kind, m in _listing(M, lead):
         if op == "issue":
             link = max(clock, link) + seconds[kind][m]
             ends[kind, m] = link
@@ -44,30 +37,45 @@ def _interpret(local, remote, dispatch, ret):
     return clock
 
 
+def _best(local, remote, dispatch, ret):
+    """(seconds, lead) minimising the listing over every lead, ties to the largest."""
+    M = len(dispatch)
+    times = [_interpret(local, remote, dispatch, ret, k) for k in range(M + 1)]
+    times.append(_interpret(0.0, local + remote, dispatch, ret, 0))  # lead M + 1: no local split
+    best = min(times)
+    return best, max(k for k, t in enumerate(times) if t <= best * (1 + 1e-9) + 1e-300)
+
+
 def _one(local, remote, dispatch, ret, local_first=True):
     s, c = pipeline_seconds([local], [remote], [dispatch], [ret], local_first)
     return float(s[0]), float(c[0])
 
 
+def _lead(local, remote, dispatch, ret):
+    return int(best_lead([local], [remote], [dispatch], [ret])[0])
+
+
 def test_hand_computed_timelines():
-    # M=1, L=3, X=5, D=[2], R=[4]: D0 [0,2]; wait D0 -> 2; X -> 7; R0 [7,11]; L -> 10; wait R0 -> 11
-    assert _one(3.0, 5.0, [2.0], [4.0]) == (11.0, 8.0)
-    # previous schedule (L=0): 2 + 8 = 10, R0 [10,14]
+    # M=1, L=3, X=5, D=[2], R=[4]. lead 0: wait D0 -> 2; X -> 7; R0 [7,11]; L -> 10; wait R0 -> 11.
+    # lead 1: L [0,3]; X [3,8]; R0 [8,12] -> 12. Best: lead 0.
+    assert _one(3.0, 5.0, [2.0], [4.0]) == (11.0, 8.0) and _lead(3.0, 5.0, [2.0], [4.0]) == 0
+    # without the local split (L=0): X = 8 after D0: [2,10], R0 [10,14]
     assert _one(3.0, 5.0, [2.0], [4.0], local_first=False) == (14.0, 8.0)
-    # M=2, L_m=1, X_m=2, D=R=[1,1]: D0 [0,1], D1 [1,2]; L0 -> 1; wait D0; X0 -> 3; R0 [3,4]; wait D1;
-    # X1 -> 5; R1 [5,6]; L1 -> 6; wait R0 -> 6; wait R1 -> 6: the exchange is hidden
-    assert _one(2.0, 4.0, [1.0, 1.0], [1.0, 1.0]) == (6.0, 6.0)
-    # previous: X_m=3; D0 [0,1] -> X0 -> 4; R0 [4,5]; X1 -> 7; R1 [7,8]: exposed = D0 + R1
+    # M=2, L_m=1, X_m=2, D=R=[1,1]: D0 [0,1], D1 [1,2]. lead 1: L0 -> 1; X0 [1,3]; R0 [3,4]; X1 [3,5];
+    # R1 [5,6]; L1 -> 6: hidden. (lead 0: L0 L1 after X1 -> 7; lead 2: X0 [2,4] ... R1 [6,7] -> 7.)
+    assert _one(2.0, 4.0, [1.0, 1.0], [1.0, 1.0]) == (6.0, 6.0) and _lead(2.0, 4.0, [1.0, 1.0], [1.0, 1.0]) == 1
+    # L=0: X_m=3: X0 [1,4]; R0 [4,5]; X1 [4,7]; R1 [7,8]: exposed = D0 + R1
     assert _one(2.0, 4.0, [1.0, 1.0], [1.0, 1.0], local_first=False) == (8.0, 6.0)
-    # M=2, comm-bound: L_m=1, X_m=1, D=[3,2], R=[1,2]: D0 [0,3], D1 [3,5]; L0 -> 1; wait D0 -> 3; X0 -> 4;
-    # R0 issued 4, link free at 5: [5,6]; wait D1 -> 5; X1 -> 6; R1 [6,8]; L1 -> 7; wait R0 -> 7; wait R1 -> 8
-    assert _one(2.0, 2.0, [3.0, 2.0], [1.0, 2.0]) == (8.0, 4.0)
-    # M=4, L_m=1, X_m=2, D=[2,1,1,1], R=[1,1,1,3]: link D0 [0,2] D1 [2,3] R0 [4,5] D2 [5,6] R1 [7,8] D3 [8,9]
-    # R2 [10,11] R3 [12,15]; clock: 1, 2, 4 | 5, 5, 7, 7 | 8, 8, 10, 10 | 10, 12, L -> 13, wait R2 -> 13; R3 -> 15
-    assert _one(4.0, 8.0, [2.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0]) == (15.0, 12.0)
-    # previous, X_m=3: D0 [0,2] D1 [2,3]; X0 -> 5; R0 [5,6]; D2 [6,7]; X1 -> 8; R1 [8,9]; D3 [9,10]; X2 -> 11;
-    # R2 [11,12]; wait D3 -> 11; X3 -> 14; R3 [14,17]
-    assert _one(4.0, 8.0, [2.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0], local_first=False) == (17.0, 12.0)
+    # M=2, comm-bound: L_m=1, X_m=1, D=[3,2], R=[1,2]: D0 [0,3], D1 [3,5]; X0 [3,4]; R0 waits for the link:
+    # [5,6]; X1 [5,6]; R1 [6,8]: 8 whatever the lead (ties: the largest, 2)
+    assert _one(2.0, 2.0, [3.0, 2.0], [1.0, 2.0]) == (8.0, 4.0) and _lead(2.0, 2.0, [3.0, 2.0], [1.0, 2.0]) == 2
+    # M=4, L_m=1, X_m=2, D=[2,1,1,1] (D's end 2, 3, 4, 5), R=[1,1,1,3]. lead 2: L0 L1 -> 2; X0 [2,4];
+    # R0 [5,6]; X1 [4,6]; R1 [6,7]; X2 [6,8]; R2 [8,9]; X3 [8,10]; R3 [10,13]; L2 L3 -> 12: 13
+    # (lead 1 also 13; 0, 3, 4: 14, 14, 15)
+    args = (4.0, 8.0, [2.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0])
+    assert _one(*args) == (13.0, 12.0) and _lead(*args) == 2
+    # L=0, X_m=3: X0 [2,5]; R0 [5,6]; X1 [5,8]; R1 [8,9]; X2 [8,11]; R2 [11,12]; X3 [11,14]; R3 [14,17]
+    assert _one(*args, local_first=False) == (17.0, 12.0)
 
 
 @st.composite
@@ -86,14 +94,21 @@ def _timelines(draw):
 @settings(deadline=None, max_examples=200)
 def test_vectorised_timeline_equals_the_schedule_listing(case):
     local, remote, dispatch, ret = case
+    M = dispatch.shape[1]
     seconds, compute = pipeline_seconds(local, remote, dispatch, ret)
-    expected = [_interpret(*(x[w] for x in case)) for w in range(local.size)]
-    assert np.allclose(seconds, expected, rtol=1e-12, atol=1e-12)
+    best = [_best(*(x[w] for x in case)) for w in range(local.size)]
+    assert np.allclose(seconds, [b[0] for b in best], rtol=1e-12, atol=1e-12)
+    leads = best_lead(local, remote, dispatch, ret)
+    chosen = [_interpret(*(x[w] for x in case), int(leads[w])) if leads[w] <= M else
+              _interpret(0.0, local[w] + remote[w], dispatch[w], ret[w], 0) for w in range(local.size)]
+    assert np.allclose(chosen, [b[0] for b in best], rtol=1e-12, atol=1e-12)  # the lead it picks is a best one
     assert np.allclose(compute, local + remote)
-    # local_first=False is the listing with every entry remote (the previous runtime)
+    for k in range(M + 1):  # every explicit lead is the listing with that lead
+        got = pipeline_seconds(local, remote, dispatch, ret, lead=np.full(local.size, k))[0]
+        assert np.allclose(got, [_interpret(*(x[w] for x in case), k) for w in range(local.size)], rtol=1e-12, atol=1e-12)
+    # local_first=False is the listing with every entry remote
     old, _ = pipeline_seconds(local, remote, dispatch, ret, local_first=False)
-    assert np.allclose(old, [_interpret(0.0, local[w] + remote[w], dispatch[w], ret[w]) for w in range(local.size)])
-    assert np.allclose(old, pipeline_seconds(np.zeros_like(local), local + remote, dispatch, ret)[0])
+    assert np.allclose(old, [_best(0.0, local[w] + remote[w], dispatch[w], ret[w])[0] for w in range(local.size)])
 
 
 @given(_timelines())
@@ -108,7 +123,7 @@ def test_limits_and_bounds(case):
     assert np.allclose(pipeline_seconds(local, remote, 0 * dispatch, 0 * ret)[0], compute)
     # no compute: the FIFO link back to back
     assert np.allclose(pipeline_seconds(0 * local, 0 * remote, dispatch, ret)[0], link)
-    # local first is never slower than the previous schedule
+    # never slower than running every entry after its dispatch (that is lead M + 1)
     assert (seconds <= pipeline_seconds(local, remote, dispatch, ret, local_first=False)[0] + 1e-9).all()
 
 
@@ -124,7 +139,8 @@ def test_more_work_or_traffic_is_never_faster(case, which, extra):
 
 
 def test_local_first_hides_the_first_dispatch_behind_local_work():
-    # M=4, only local work (L_m=2), every transfer 1: D_m and R_{m-1} hide behind L_m, R3 behind L3
+    # M=4, only local work (L_m=2), every transfer 1: lead 2: L0 L1 [0,4] while D0..D3 [0,4]; R0..R3 [4,8]
+    # while L2 L3 [4,8]
     seconds, compute = pipeline_seconds([8.0], [0.0], [[1.0] * 4], [[1.0] * 4])
     assert seconds[0] == pytest.approx(compute[0])
     old, _ = pipeline_seconds([8.0], [0.0], [[1.0] * 4], [[1.0] * 4], local_first=False)

@@ -7,6 +7,7 @@ over its whole packed sequence) and returns errors and byte counts; the tests as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import List
 
 import numpy as np
@@ -63,6 +64,7 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
             dtype="float64" if i % 4 else "float32", save_mode=["arranged", "refetch"][(i // 2) % 2],
             fmt="sbhd" if i % 5 == 3 else "thd", data_seed=int(rng.integers(1 << 30)),
             deterministic=i == 1,  # --deterministic-mode reaches every backward kernel call
+            lead=i % (M + 3) - 1,  # the Pipeliner lead per rank: -1 (default), 0..M, M + 1 (no local split)
         ))
     return cases
 
@@ -119,7 +121,7 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     from libra_megatron.testing.reference import reference_forward_backward, shard_tokens
 
     layout, plan = _build(case)
-    rp = plan.for_rank(rank)
+    rp = dataclasses.replace(plan.for_rank(rank), local_lead=case.get("lead", -1))
     p, c = divmod(rank, case["cp"])
     qg, kg, vg, dog = _inputs(case, p, layout)
     ref = reference_forward_backward(qg, kg, vg, dog, case["segs"][p])
@@ -303,7 +305,7 @@ def run_precision_case(rank: int, case: dict, group=None) -> dict:
     from libra_megatron.testing.reference import reference_forward_backward, shard_tokens
 
     layout, plan = _build(case)
-    rp = plan.for_rank(rank)
+    rp = dataclasses.replace(plan.for_rank(rank), local_lead=case.get("lead", -1))
     p, c = divmod(rank, case["cp"])
     dtype = getattr(torch, case["dtype"])
     full = [x.to(dtype) for x in _inputs(case, p, layout)]

@@ -57,14 +57,17 @@ def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placemen
             assert r["shape_ok"], (case, rank)
             bad = [e for e in r["errs"] if not e <= TOL[case["dtype"]]]
             assert not bad, f"case {i} rank {rank}: rel errors (out, dq, dk, dv) {r['errs']} for {case}"
-            local, remote = r["local_remote_entries"]  # local-first: local and remote entries are two calls
-            assert r["kernel_calls"] == case["M"] * (3 if local and remote else 2), (i, rank, r["local_remote_entries"])
+            local, remote = r["local_remote_entries"]  # local and remote entries are two calls, unless lead M + 1
+            split = local and remote and case["lead"] != case["M"] + 1
+            assert r["kernel_calls"] == case["M"] * (3 if split else 2), (i, rank, r["local_remote_entries"])
             assert r["deterministic_seen"] == [case["deterministic"]], (i, rank, r["deterministic_seen"])
         for res in results:  # every O/dQ buffer started as NaN: each row was written (errs above are finite)
             assert res["nan_sentinel_buffers"] >= 2 * len(cases), res["nan_sentinel_buffers"]
     split = [tuple(res["libra"][i]["local_remote_entries"]) for i in range(len(cases)) for res in results]
     assert any(loc and rem for loc, rem in split), split  # the local-first split ran (local before the wait)
     assert any(loc and not rem for loc, rem in split) and any(rem and not loc for loc, rem in split), split
+    leads = {c["lead"] for i, c in enumerate(cases) if any(all(res["libra"][i]["local_remote_entries"]) for res in results)}
+    assert -1 in leads and leads - {-1}, leads  # the split ran under the default lead and a plan-given one
 
 
 def test_two_pools_on_subgroups_run_different_plans_concurrently():

@@ -161,7 +161,7 @@ def test_help_lists_choices_and_plain_defaults_not_enum_reprs(capsys):
     assert "PackingMode" not in text and "TokenLayoutKind" not in text and "SequencePlacement" not in text
     assert "--packing {megatron,best_fit}" in text and "(default: megatron)" in text
     assert "--token-layout {contiguous,zigzag} CP token layout" in text and "(default: zigzag)" in text
-    assert "--tile-placement {home,alg2,refined,time}" in text and "(default: alg2)" in text
+    assert "--tile-placement {home,alg2,refined,time,dense}" in text and "(default: alg2)" in text
     assert "(default: None)" not in text and "--pool-size INT [INT ...] P values (each divides --dp) (default: 8)" in text
 
 

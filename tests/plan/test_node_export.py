@@ -1,0 +1,100 @@
+"""Dense-first node export (plan.node_export, tile placement 'dense'): Algorithm 2's flow between nodes,
+carried by each node's densest tiles; never slower than Algorithm 2 under the step-time model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from libra_megatron.config import LibraConfig, TilePlacement
+from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.node_export import export_dense_first, tile_density
+from libra_megatron.plan.packing import pack_documents
+from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.timeaware import plan_worker_seconds
+from libra_megatron.plan.pool import plan_pool
+from libra_megatron.plan.tiles import build_tiles
+from libra_megatron.plan.timing import StepTimeModel
+from libra_megatron.plan.traces import find_trace, load_trace
+from libra_megatron.plan.validate import validate_plan
+
+from .test_exchange import SETTINGS, pools
+from .test_timeaware import SLOW, _plan_seconds
+
+
+def _node_flows(tiles, assignment, node):
+    """float64 [nodes, W]: load homed on node n hosted by worker w."""
+    f = tiles.tile_flops().astype(np.float64)
+    home_node = node[tiles.tile_home()]
+    out = np.zeros((node.max() + 1, tiles.num_workers))
+    np.add.at(out, (home_node, np.asarray(assignment)), f)
+    return out
+
+
+@given(pools())
+@settings(**SETTINGS)
+def test_export_keeps_algorithm2s_flows_and_balance_within_one_tile(pool):
+    """A valid assignment of every tile whose busiest worker carries at most Algorithm 2's busiest plus one tile
+    (the balance fallback for tiles that stay on their node), and whose plan validates."""
+    _, _, heads, tiles, _, _ = pool
+    node = np.arange(tiles.num_workers) // 2
+    f = tiles.tile_flops().astype(np.float64)
+    alg2 = place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment
+    dense = export_dense_first(tiles, alg2, f, node)
+    assert dense.shape == alg2.shape and ((dense >= 0) & (dense < tiles.num_workers)).all()
+    before, after = _node_flows(tiles, alg2, node), _node_flows(tiles, dense, node)
+    assert np.allclose(after.sum(axis=1), before.sum(axis=1))  # every tile placed once
+    loads = [np.bincount(a, weights=f, minlength=tiles.num_workers).max() for a in (alg2, dense)]
+    assert loads[1] <= loads[0] + f.max() + 1e-9
+    validate_plan(build_exchange_plan(tiles, dense), tiles)  # any assignment executes exactly
+
+
+@given(pools())
+@settings(**SETTINGS)
+def test_dense_placement_is_never_slower_than_alg2_under_the_model(pool):
+    _, _, heads, tiles, _, _ = pool
+    model = StepTimeModel(heads.head_dim, **SLOW)
+    alg2 = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+    dense = place_tiles(tiles, 0.03, TilePlacement.DENSE, timing=model)
+    before = _plan_seconds(tiles, alg2.assignment, model).max()
+    after = _plan_seconds(tiles, dense.assignment, model).max()
+    assert after <= before * (1 + 1e-12)
+    assert dense.exchange is not None and np.array_equal(dense.exchange.assignment, dense.assignment)
+    np.testing.assert_allclose(plan_worker_seconds(dense.exchange, model), _plan_seconds(tiles, dense.assignment, model))
+
+
+def test_a_node_exports_its_dense_tiles_instead_of_its_small_ones():
+    """Hand-made: 4 one-worker sequences, nodes {0, 1} and {2, 3}. Workers 0 and 1 hold a 32-token document
+    and eight 4-token ones (node 0 is heavy), workers 2 and 3 only 4-token ones. Algorithm 2 keeps the long
+    documents' big tiles home and ships the small leftovers (mean density 0.069 pair-heads per byte); dense-first
+    ships long-document tiles instead (0.090) for no more load abroad, and stays within one tile of balance."""
+    heads = HeadLayout(4, 4, 8, 1, 1)
+    heavy = [32] + [4] * 8
+    tiles = build_tiles([heavy, heavy, [4] * 16, [4] * 16], TokenLayout("contiguous", 64, 1), heads, 8,
+                        tiling="uniform", kv_fetch="prefix")
+    node = np.array([0, 0, 1, 1])
+    f = tiles.tile_flops().astype(np.float64)
+    density = tile_density(tiles, f)
+    home_node = node[tiles.tile_home()]
+    alg2 = place_tiles(tiles, 0.0, TilePlacement.ALG2).assignment
+    dense = export_dense_first(tiles, alg2, f, node)
+    before, after = (np.flatnonzero(node[a] != home_node) for a in (alg2, dense))
+    assert density[after].mean() > 1.2 * density[before].mean()
+    assert f[after].sum() <= f[before].sum()
+    loads = np.bincount(dense, weights=f, minlength=4)
+    assert loads.max() - np.bincount(alg2, weights=f, minlength=4).max() <= f.max()
+
+
+def test_config_dense_placement_reaches_plan_pool_with_the_pool_nodes():
+    config = LibraConfig(pool_size=2, block_size=512, head_split=2, tile_placement="dense")
+    docs = load_trace(find_trace("wikipedia-flexsp.txt"))[:3000]
+    seqs = pack_documents(docs, 4096, "megatron", 3)[:2]
+    layout, heads = TokenLayout("zigzag", 4096, 2), HeadLayout(32, 4, 16, 2, 4)
+    model = StepTimeModel(16, attn_tflops=0.1, intra_node_gbps=0.3, inter_node_gbps=0.05, worker_nodes=(0, 0, 1, 1))
+    planned = plan_pool(seqs, config, layout, heads, validate=True, timing=model)
+    expected = place_tiles(planned.tiles, config.tau, TilePlacement.DENSE, timing=model)
+    assert np.array_equal(planned.placement.assignment, expected.assignment)
+    assert planned.exchange is planned.placement.exchange  # the placer's plan is reused, not rebuilt
+    with pytest.raises(ValueError, match="worker_nodes names 3 workers, the pool has 4"):
+        place_tiles(planned.tiles, config.tau, TilePlacement.DENSE, timing=StepTimeModel(16, worker_nodes=(0, 0, 1)))
