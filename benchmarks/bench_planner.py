@@ -42,6 +42,7 @@ from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 
 from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
+from libra_megatron.plan.timing import StepTimeModel  # noqa: E402
 from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
 from libra_megatron.runtime.routes import upload_tables  # noqa: E402
 
@@ -128,11 +129,28 @@ def _rank_plan_ms(plan, num_workers: int):
     return max(ms for _, ms in timings), max(timed(upload_tables, tables, "cpu")[1] for tables, _ in timings)
 
 
+PLACEMENT = TilePlacement.DENSE  # --tile-placement (the shipped configs/libra/*.yaml)
+NUM_CHUNKS = 8  # --num-chunks (the shipped configs/libra/*.yaml)
+
+
+def _place_and_plan(tiles, head_dim):
+    """(placement, its ExchangePlan with every rank's Pipeliner lead, place ms, exchange ms) as ``plan_pool``
+    does it: the 'dense' placer builds and prices its candidates' plans itself (counted in place)."""
+    model = StepTimeModel(head_dim)
+    timing = model if PLACEMENT in (TilePlacement.DENSE, TilePlacement.TIME) else None
+    result, t_place = timed(place_tiles, tiles, 0.03, PLACEMENT, timing=timing)
+    if result.exchange is not None:
+        return result, result.exchange, t_place, 0.0
+    plan, t_ex = timed(build_exchange_plan, tiles, result.assignment, model)
+    return result, plan, t_place, t_ex
+
+
 def bench_case(segs_by_trace, case, num_pools, reps, mode):
     name, seq_len, cp, block, H, head_dims, budget = case
     tiling, kv_fetch = MODES[mode]
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
-    heads = HeadLayout(*head_dims, head_split=H, num_chunks=4, elem_bytes=2)
+    heads = HeadLayout(*head_dims, head_split=H, num_chunks=NUM_CHUNKS if head_dims[0] % (H * NUM_CHUNKS) == 0 else 4,
+                       elem_bytes=2)
     for trace, segs in segs_by_trace.items():
         times = {"build": [], "place": [], "exchange": [], "rank": [], "expand": [], "tiles": [], "gc": []}
         for pool in pools_of(segs[seq_len], num_pools):
@@ -141,8 +159,7 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
                 gc_before = FULL_GC.ms
                 tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=0.03,
                                        kv_fetch=kv_fetch)
-                result, t_place = timed(place_tiles, tiles, 0.03, TilePlacement.ALG2)
-                plan, t_ex = timed(build_exchange_plan, tiles, result.assignment)
+                result, plan, t_place, t_ex = _place_and_plan(tiles, head_dims[2])
                 t_rank, t_expand = _rank_plan_ms(plan, tiles.num_workers)
                 for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
                                  ("expand", t_expand), ("tiles", tiles.num_tiles), ("gc", FULL_GC.ms - gc_before)):
@@ -180,16 +197,21 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="paper: uniform tiles + group fetch; ours: adaptive tiles + prefix fetch (the defaults)")
     parser.add_argument("--vrsp-only", action="store_true", help="only the VRSP timings (no pool plans)")
+    parser.add_argument("--tile-placement", choices=[p.value for p in TilePlacement], default=PLACEMENT.value,
+                        help="tile placement timed (default: the shipped one)")
+    parser.add_argument("--num-chunks", type=int, default=NUM_CHUNKS, help="Pipeliner chunks M (default: shipped)")
     parser.add_argument("--gc", choices=["auto", "manual"], default="auto",
                         help="auto: Python's garbage collector as is; manual: off, collected between pools "
                              "(Megatron's --manual-gc)")
     args = parser.parse_args()
+    global PLACEMENT, NUM_CHUNKS
+    PLACEMENT, NUM_CHUNKS = TilePlacement(args.tile_placement), args.num_chunks
     set_gc_mode(args.gc)
     global CLOCK
     CLOCK = time.process_time if args.cpu else time.perf_counter
     torch.set_num_threads(1)  # the expand column: one thread's work (a GPU does it on the device)
-    print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; gc: {args.gc}; load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; gc: {args.gc}; tile placement "
+          f"{PLACEMENT.value}, M={NUM_CHUNKS}; load average {os.getloadavg()[0]:.1f}")
     segs_by_trace = {}
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         docs = load_trace(find_trace(trace))

@@ -38,7 +38,7 @@ import numpy as np
 from .errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .layout import HeadLayout
-from .local_entries import entry_pair_heads, pool_local_entries
+from .local_entries import LOCAL, SPLIT, entry_pair_heads, pool_entry_kinds
 
 __all__ = ["IndexRuns", "Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
 
@@ -555,14 +555,18 @@ def _peer_units(q: _UnitRuns, kv: _UnitRuns, num_workers: int) -> np.ndarray:
 
 
 def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varlen, heads: HeadLayout) -> np.ndarray:
-    """float64 [2, W]: (local, remote) Eq. 6 load per destination (``plan.local_entries``)."""
+    """float64 [2, W]: (local, remote) Eq. 6 load per destination (``plan.local_entries``): local entries, and
+    the self-sourced key tails of split entries, run before any dispatch arrives."""
     W = q_len.shape[0]
     dst = np.repeat(np.arange(W, dtype=np.int64), np.diff(varlen.dst_ptr))
-    local = pool_local_entries((q.src, q.dst, q.tgt_start, q.count), (kv.src, kv.dst, kv.tgt_start, kv.count),
-                               q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
-                               varlen.kv_offset, varlen.kv_offset + varlen.k_len)
-    load = entry_pair_heads(varlen.q_len, varlen.k_len, heads.q_heads_per_shard).astype(np.float64)
-    out = np.stack([np.bincount(dst[keep], weights=load[keep], minlength=W) for keep in (local, ~local)])
+    kinds, tail = pool_entry_kinds((q.src, q.dst, q.tgt_start, q.count), (kv.src, kv.dst, kv.tgt_start, kv.count),
+                                   q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
+                                   varlen.kv_offset, varlen.kv_offset + varlen.k_len)
+    hps = heads.q_heads_per_shard
+    load = entry_pair_heads(varlen.q_len, varlen.k_len, hps).astype(np.float64)
+    tail_load = entry_pair_heads(varlen.q_len, varlen.k_len - tail, hps).astype(np.float64)
+    local = np.where(kinds == LOCAL, load, np.where(kinds == SPLIT, tail_load, 0.0))
+    out = np.stack([np.bincount(dst, weights=local, minlength=W), np.bincount(dst, weights=load - local, minlength=W)])
     out.setflags(write=False)
     return out
 

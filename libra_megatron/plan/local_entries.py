@@ -7,6 +7,11 @@ buffer when the exchange is launched. An entry is **local** when none of its Q r
 comes from another worker: the runtime places the self segment, computes the local entries while the
 dispatch is in flight, and computes the remote entries after it arrived (``runtime.libra_attn._fwd``).
 
+An entry whose Q rows are self-sourced and whose key range ends in a self-sourced *tail* that covers its
+queries is **split** (the ring-attention step, issue 14): its queries attend to the tail keys locally (a
+causal call) and to the keys before the tail after the dispatch (a call without mask: they precede every
+query); the two partial outputs merge by log-sum-exp. ``self_tail_start`` finds the tail.
+
 One rule, two views of the same run tables:
     ``rank_local_entries(rank_plan)``  per rank, from its routes (what the runtime executes)
     ``pool_local_entries(...)``        pool-wide, from the builder's run tables (what the simulator prices)
@@ -16,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["foreign_rows_in", "rank_local_entries", "pool_local_entries", "route_foreign_rows", "entry_pair_heads"]
+__all__ = ["foreign_rows_in", "rank_local_entries", "pool_local_entries", "route_foreign_rows", "entry_pair_heads",
+           "self_tail_start", "entry_kinds", "rank_entry_kinds", "pool_entry_kinds", "REMOTE", "LOCAL", "SPLIT"]
 
 
 def foreign_rows_in(run_start, run_count, run_foreign, lo, hi) -> np.ndarray:
@@ -46,6 +52,56 @@ def foreign_rows_in(run_start, run_count, run_foreign, lo, hi) -> np.ndarray:
     return foreign_before(hi) - foreign_before(lo)
 
 
+def self_tail_start(run_start, run_count, run_foreign, lo, hi) -> np.ndarray:
+    """int64 [n]: the first row of the longest suffix of [lo[i], hi[i]) with no foreign row (hi when row
+    hi-1 is foreign, lo when the whole range is self-sourced). Runs as in ``foreign_rows_in``."""
+    start = np.asarray(run_start, dtype=np.int64)
+    count = np.asarray(run_count, dtype=np.int64)
+    foreign = np.asarray(run_foreign, dtype=bool) & (count > 0)
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    f_start, f_end = start[foreign], start[foreign] + count[foreign]
+    if f_start.size == 0:
+        return lo.copy()
+    order = np.argsort(f_start, kind="stable")
+    f_start, f_end = f_start[order], f_end[order]
+    last = np.searchsorted(f_start, hi, side="left") - 1  # the last foreign run starting before hi
+    end = np.where(last >= 0, np.minimum(f_end[np.maximum(last, 0)], hi), lo)
+    return np.maximum(lo, end)
+
+
+def entry_kinds(q_foreign, k_lo, tail, k_hi, q_len) -> np.ndarray:
+    """int8 [n]: LOCAL (no foreign Q or key row), SPLIT (Q self-sourced, a self-sourced key tail [tail, k_hi)
+    that covers the queries, foreign keys before it), or REMOTE."""
+    q_self = np.asarray(q_foreign) == 0
+    local = q_self & (tail == k_lo)
+    split = q_self & ~local & (k_hi - tail >= q_len)
+    return np.where(local, LOCAL, np.where(split, SPLIT, REMOTE)).astype(np.int8)
+
+
+REMOTE, LOCAL, SPLIT = 0, 1, 2
+
+
+def route_runs_foreign(route, rank: int):
+    """(start, count, foreign) of a forward route's receive runs: runs are grouped by source in rank order,
+    so the self segment's runs start inside [sum(recv_splits[:rank]), +recv_splits[rank]) received units."""
+    runs = route.recv_runs
+    first_unit = np.cumsum(runs.count) - runs.count
+    self_lo = int(route.recv_splits[:rank].sum())
+    self_hi = self_lo + int(route.recv_splits[rank])
+    return runs.start, runs.count, (first_unit < self_lo) | (first_unit >= self_hi)
+
+
+def rank_entry_kinds(plan):
+    """(kinds int8 [n], tail int64 [n]) of a ``RankPlan``'s varlen entries: ``entry_kinds`` and the arranged-KV
+    row where each entry's self-sourced key tail starts."""
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    k_lo = np.asarray(plan.seq_kv_offset, dtype=np.int64)
+    k_hi = k_lo + np.asarray(plan.seq_k_len, dtype=np.int64)
+    q_foreign = foreign_rows_in(*route_runs_foreign(plan.q_route, plan.rank), cu[:-1], cu[1:])
+    tail = self_tail_start(*route_runs_foreign(plan.kv_route, plan.rank), k_lo, k_hi)
+    return entry_kinds(q_foreign, k_lo, tail, k_hi, np.diff(cu)), tail
+
+
 def route_foreign_rows(route, rank: int, lo, hi) -> np.ndarray:
     """``foreign_rows_in`` for the target buffer of a forward ``Route`` of ``rank``: its receive runs are
     grouped by source in rank order, so the runs of the self segment are those starting inside
@@ -66,6 +122,22 @@ def rank_local_entries(plan) -> np.ndarray:
     q_foreign = route_foreign_rows(plan.q_route, plan.rank, cu[:-1], cu[1:])
     k_foreign = route_foreign_rows(plan.kv_route, plan.rank, k_lo, k_hi)
     return (q_foreign == 0) & (k_foreign == 0)
+
+
+def pool_entry_kinds(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo, k_hi):
+    """(kinds, tail - k_lo) of every destination's entries at once (``rank_entry_kinds``), from the builder's
+    pool-wide tables (arguments as in ``pool_local_entries``)."""
+    def runs(table, lengths):
+        src, dst, tgt, count = (np.asarray(x, dtype=np.int64) for x in table)
+        base = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64)
+        return base[dst] + tgt, count, src != dst, base
+
+    q_start, q_count, q_foreign_run, q_base = runs(q_runs, q_len)
+    k_start, k_count, k_foreign_run, k_base = runs(kv_runs, kv_len)
+    q_foreign = foreign_rows_in(q_start, q_count, q_foreign_run, q_base[entry_dst] + q_lo, q_base[entry_dst] + q_hi)
+    lo, hi = k_base[entry_dst] + k_lo, k_base[entry_dst] + k_hi
+    tail = self_tail_start(k_start, k_count, k_foreign_run, lo, hi)
+    return entry_kinds(q_foreign, lo, tail, hi, np.asarray(q_hi) - np.asarray(q_lo)), tail - lo
 
 
 def pool_local_entries(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo, k_hi) -> np.ndarray:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import PlanError
 from .exchange import IndexRuns, RankPlan, Route
-from .local_entries import rank_local_entries
+from .local_entries import REMOTE, SPLIT, rank_entry_kinds
 
 __all__ = ["RankTables", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables"]
 
@@ -143,12 +143,13 @@ class EntrySet:
         return len(self.q_lens)
 
     @staticmethod
-    def of(keep: np.ndarray, cu_q: np.ndarray, kv_offset: np.ndarray, k_lens: np.ndarray, q_bound: int,
+    def of(keep: np.ndarray, cu_q: np.ndarray, k_start: np.ndarray, k_lens: np.ndarray, q_bound: int,
            kv_bound: int) -> "EntrySet":
+        """The entries ``keep`` with keys [k_start, +k_lens) of the arranged K|V (per entry, all entries given)."""
         q_lens = np.diff(cu_q)[keep]
         return EntrySet(
             q_rows=RowRuns.make(cu_q[:-1][keep], q_lens, 1, q_bound),
-            k_gather=RowRuns.make(kv_offset[keep], k_lens[keep], 1, kv_bound),
+            k_gather=RowRuns.make(k_start[keep], k_lens[keep], 1, kv_bound),
             cu_q=_cu32(q_lens), cu_k=_cu32(k_lens[keep]),
             q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()),
         )
@@ -171,16 +172,17 @@ class RankTables:
     kv_back_splits: RouteSplits
     q_target_len: int  # arranged Q rows (nq)
     kv_target_len: int  # arranged KV rows (nkv)
-    # local-first split (``plan.local_entries``): None when no entry is local, else (local, remote) sets
-    local: Optional[EntrySet] = None
-    remote: Optional[EntrySet] = None
+    # local-first split (``plan.local_entries``): None when no entry is local or split, else the sets
+    local: Optional[EntrySet] = None  # causal: local entries, and the self-sourced key tails of split entries
+    remote: Optional[EntrySet] = None  # causal: remote entries
+    heads: Optional[EntrySet] = None  # no mask: split entries' keys before their tail (None: no split entry)
 
     @property
     def num_entries(self) -> int:
         return len(self.q_lens)
 
     def entry_sets(self) -> Tuple[EntrySet, ...]:
-        return tuple(x for x in (self.local, self.remote) if x is not None)
+        return tuple(x for x in (self.local, self.remote, self.heads) if x is not None)
 
     def distinct_runs(self) -> Tuple[RowRuns, ...]:
         """Every distinct row table once (chunks sharing kv pieces share one ``kv_send`` entry)."""
@@ -259,7 +261,7 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
     q_view_rows = plan.local_tokens * heads.head_split * M
     kv_view_rows = plan.local_tokens * heads.kv_pieces_per_token
     q_splits, kv_splits = RouteSplits.of(qr, r), RouteSplits.of(kr, r)
-    local, remote = _entry_split(plan, q_lens, k_lens)
+    local, remote, head_set = _entry_split(plan, q_lens, k_lens)
     return RankTables(
         q_send=_q_send(qr, heads, q_view_rows), kv_send=_kv_send(kr, heads, kv_view_rows),
         q_arranged=RowRuns.of(qr.recv_runs, qr.target_len), kv_arranged=RowRuns.of(kr.recv_runs, kr.target_len),
@@ -268,18 +270,25 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
         q_splits=q_splits, kv_splits=kv_splits,
         q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
         q_target_len=int(qr.target_len), kv_target_len=int(kr.target_len), local=local, remote=remote,
+        heads=head_set,
     )
 
 
 def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):
-    """(local, remote) ``EntrySet``s of ``plan``, or (None, None) when no entry is local."""
-    local = rank_local_entries(plan)
-    if not local.any():
-        return None, None
+    """(local, remote, heads) ``EntrySet``s of ``plan`` (``plan.local_entries``), or Nones when no entry is local
+    or split; heads is None when no entry is split."""
+    kinds, tail = rank_entry_kinds(plan)
+    if not (kinds != REMOTE).any():
+        return None, None, None
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     off = np.asarray(plan.seq_kv_offset, dtype=np.int64)
+    end = off + k_lens
     bounds = (int(plan.q_route.target_len), int(plan.kv_route.target_len))
-    return EntrySet.of(local, cu, off, k_lens, *bounds), EntrySet.of(~local, cu, off, k_lens, *bounds)
+    split = kinds == SPLIT
+    local_start = np.where(split, tail, off)  # a split entry's local keys: its self-sourced tail
+    local = EntrySet.of(kinds != REMOTE, cu, local_start, end - local_start, *bounds)
+    heads = EntrySet.of(split, cu, off, tail - off, *bounds) if split.any() else None
+    return local, EntrySet.of(kinds == REMOTE, cu, off, k_lens, *bounds), heads
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

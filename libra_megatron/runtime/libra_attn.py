@@ -140,14 +140,34 @@ def _fwd_chunk(cx: _Ctx, q_arr, kv_arr):
     return cx.kernel(cx.backend.fwd, q_arr, k_pk, v_pk, cx.tables.batch, cx.scale)
 
 
+def _part_kernel(cx: _Ctx, q_arr, kv_arr, part, causal: bool = True):
+    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``) on gathered queries and keys:
+    (out (n, qp, d), lse (qp, n))."""
+    kp = cx.plan.heads.kv_piece
+    packed = kv_arr.index_select(0, part.k_gather)
+    q_part = q_arr.index_select(0, part.q_rows)
+    if causal:
+        return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale)
+    return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale, False)
+
+
+def _merge_heads(cx: _Ctx, o_arr, lse, part, head_out, head_lse) -> None:
+    """Split entries: merge the key-tail result already in o_arr / lse rows ``part.q_rows`` with the result
+    over the keys before the tail, by log-sum-exp, in fp32 (fp64 for fp64), written back in place."""
+    rows, acc = part.q_rows, cx.acc_dtype
+    tail_lse, tail_out = lse.T.index_select(0, rows).to(acc), o_arr.index_select(0, rows).to(acc)  # (n, qp)
+    head_lse = head_lse.T.to(acc)
+    merged = torch.logaddexp(tail_lse, head_lse)
+    out = tail_out * torch.exp(tail_lse - merged)[..., None] + head_out.to(acc) * torch.exp(head_lse - merged)[..., None]
+    o_arr.index_put_((rows,), out.to(o_arr.dtype))
+    lse.T.index_put_((rows,), merged.to(lse.dtype))
+
+
 def _fwd_part(cx: _Ctx, q_arr, kv_arr, part, o_arr=None, lse=None):
     """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``): gather their queries and keys, scatter
     out (n, qp, d) and lse (qp, n) into the chunk's o_arr (nq, qp, d) / lse (qp, nq) rows (each row belongs to
     exactly one entry); the buffers are made, in the kernel's output dtypes, when None. Returns (o_arr, lse)."""
-    kp = cx.plan.heads.kv_piece
-    packed = kv_arr.index_select(0, part.k_gather)
-    out, part_lse = cx.kernel(cx.backend.fwd, q_arr.index_select(0, part.q_rows), packed[:, :kp], packed[:, kp:],
-                              part.batch, cx.scale)
+    out, part_lse = _part_kernel(cx, q_arr, kv_arr, part)
     if o_arr is None:
         o_arr = out.new_empty((q_arr.shape[0],) + tuple(out.shape[1:]))
         lse = part_lse.new_empty((part_lse.shape[0], q_arr.shape[0]))
@@ -163,8 +183,10 @@ class _Chunk:
     def __init__(self, cx: _Ctx, m: int, pending, split: bool):
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
         self.split = split
-        self.whole = self.split and cx.tables.remote.batch.num_entries == 0  # every entry local: one call
+        self.whole = self.split and cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None  # one call
         self.o_arr = self.lse = self.kv_arr = None
+        self.head = None  # (out, lse) over split entries' keys before their tails, until the tails are in
+        self.tails_done = False
         if self.split:  # the rows this rank sends itself are in its send buffer already
             self.q_arr = self.q_pend.self_placed()
             self.kv_arr = self.kv_pend.self_placed() if self.kv_pend is not None else None
@@ -177,6 +199,13 @@ class _Chunk:
             self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
         else:
             self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.local, self.o_arr, self.lse)
+        self.tails_done = True
+        self._merge()
+
+    def _merge(self) -> None:
+        if self.head is not None and self.tails_done:
+            _merge_heads(self.cx, self.o_arr, self.lse, self.cx.tables.heads, *self.head)
+            self.head = None
 
     def arrive(self) -> None:
         """Wait for the dispatch and place what other ranks sent."""
@@ -192,8 +221,12 @@ class _Chunk:
         """Entries that needed the dispatch (all of them without a split)."""
         if not self.split:
             self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
-        elif not self.whole:
+            return
+        if self.cx.tables.remote.batch.num_entries:
             self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.remote, self.o_arr, self.lse)
+        if self.cx.tables.heads is not None:  # keys before the split entries' tails: no mask
+            self.head = _part_kernel(self.cx, self.q_arr, kv_arr, self.cx.tables.heads, causal=False)
+            self._merge()
 
     def write_self(self, out_view) -> None:
         """Self segment of this chunk's O, from ``o_arr`` into ``out_view``: when its local entries ran after its
@@ -250,7 +283,7 @@ def _lead(cx: _Ctx, M: int) -> int:
         return M + 1
     if 0 <= cx.plan.local_lead <= M + 1:
         return cx.plan.local_lead
-    return M if cx.tables.remote.batch.num_entries == 0 else M - 1
+    return M if cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None else M - 1
 
 
 def _kv_source(chunks: List[_Chunk], m: int):

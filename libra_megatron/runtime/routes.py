@@ -121,6 +121,7 @@ class DeviceTables:
     nbytes: int
     local: Optional[DeviceEntrySet] = None  # local-first split (``RankTables.local``); None: no local entry
     remote: Optional[DeviceEntrySet] = None
+    heads: Optional[DeviceEntrySet] = None  # keys before split entries' self-sourced tails (no mask)
 
 
 def expand_runs(start: torch.Tensor, count: torch.Tensor, stride: int, total: int, dtype: torch.dtype) -> torch.Tensor:
@@ -181,9 +182,10 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
     sets = [DeviceEntrySet(rows[id(part.q_rows)], rows[id(part.k_gather)],
                            _varlen_batch(offsets[2 + 2 * i], offsets[3 + 2 * i], part))
             for i, part in enumerate(tables.entry_sets())]
-    local, remote = sets if sets else (None, None)
+    local, remote, heads = (sets + [None, None, None])[:3] if sets else (None, None, None)
     return DeviceTables(chunks=tuple(chunks), batch=_varlen_batch(offsets[0], offsets[1], tables),
-                        k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote)
+                        k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote,
+                        heads=heads)
 
 
 def _bounds(host):

@@ -121,7 +121,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.traffic``,
     ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
     assert cost.num_chunks == tiles.heads.num_chunks
-    plan = placed.exchange if placed.exchange is not None else build_exchange_plan(tiles, placed.assignment)
+    reuse = placed.exchange is not None and placed.exchange.heads == tiles.heads  # the placer's plan, same M
+    plan = placed.exchange if reuse else build_exchange_plan(tiles, placed.assignment)
     traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..plan.exchange import RankPlan, kv_rows, q_rows
 
-__all__ = ["UnitTables", "unit_tables", "self_sourced_rows", "local_entries_by_units"]
+__all__ = ["UnitTables", "unit_tables", "self_sourced_rows", "local_entries_by_units",
+           "entry_kinds_by_units"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,20 @@ def local_entries_by_units(plan: RankPlan) -> np.ndarray:
     cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
     return np.array([q_self[cu[i]:cu[i + 1]].all() and kv_self[o:o + n].all()
                      for i, (o, n) in enumerate(zip(plan.seq_kv_offset, plan.seq_k_len))], dtype=bool)
+
+
+def entry_kinds_by_units(plan: RankPlan):
+    """(kinds, tail) of ``plan.local_entries.rank_entry_kinds`` row by row on the expanded routes: kind 1 (local)
+    when every Q and key row is self-sourced, 2 (split) when the Q rows are and the self-sourced suffix of the
+    key rows holds at least the queries (but not all keys), else 0; tail = first row of that suffix."""
+    q_self, kv_self = self_sourced_rows(plan.q_route, plan.rank), self_sourced_rows(plan.kv_route, plan.rank)
+    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
+    kinds, tails = [], []
+    for i, (o, n) in enumerate(zip(plan.seq_kv_offset.tolist(), plan.seq_k_len.tolist())):
+        foreign = np.flatnonzero(~kv_self[o:o + n])
+        tail = o if foreign.size == 0 else o + int(foreign[-1]) + 1
+        q_ok = bool(q_self[cu[i]:cu[i + 1]].all())
+        kind = 1 if q_ok and tail == o else 2 if q_ok and o + n - tail >= cu[i + 1] - cu[i] else 0
+        kinds.append(kind)
+        tails.append(tail)
+    return np.array(kinds, dtype=np.int8), np.array(tails, dtype=np.int64)

@@ -7,7 +7,7 @@ from libra_megatron.plan.local_entries import entry_pair_heads, rank_local_entri
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables, rank_tables
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.testing.unit_tables import local_entries_by_units, unit_tables
+from libra_megatron.testing.unit_tables import entry_kinds_by_units, local_entries_by_units, unit_tables
 
 # (hq, hkv, H, M): affine kv rows (shared and disjoint kv pieces), H not a power of two, H > hkv (KV classes;
 # a shard straddling two kv heads, e.g. hq 12, hkv 2, H 3, is rejected by HeadLayout), non-affine kv columns
@@ -59,12 +59,15 @@ def test_tables_never_expand_the_routes_and_stay_the_size_of_the_runs():
         assert t.nbytes() == sum(a.nbytes for a in _unit_arrays(unit_tables(rp), t, rp))
 
 
-def _entry_set_arrays(rp, keep):
-    """Brute-force arrays of an entry set: arranged Q rows, packed key rows, cu_q, cu_k of the kept entries."""
+def _entry_set_arrays(rp, keep, k_start=None, k_end=None):
+    """Brute-force arrays of an entry set: arranged Q rows, packed key rows [k_start, k_end) (default: every
+    key), cu_q, cu_k of the kept entries."""
     cu, off, kl = np.asarray(rp.cu_seqlens_q), np.asarray(rp.seq_kv_offset), np.asarray(rp.seq_k_len)
+    k_start = off if k_start is None else k_start
+    k_end = off + kl if k_end is None else k_end
     idx = np.flatnonzero(keep)
     q = [np.arange(cu[i], cu[i + 1]) for i in idx]
-    k = [np.arange(off[i], off[i] + kl[i]) for i in idx]
+    k = [np.arange(k_start[i], k_end[i]) for i in idx]
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
     return [cat(q), cat(k), np.concatenate([[0], np.cumsum([len(x) for x in q])]),
             np.concatenate([[0], np.cumsum([len(x) for x in k])])]
@@ -74,33 +77,41 @@ def _unit_arrays(ref, t, rp):
     """The reference arrays the device holds (int32; chunks sharing a kv piece share one array)."""
     kv = {id(r): a for r, a in zip(t.kv_send, ref.kv_send)}
     arrays = [*ref.q_send, *kv.values(), ref.q_arranged, ref.kv_arranged, ref.k_gather, ref.cu_q, ref.cu_k]
-    local = local_entries_by_units(rp)
-    if local.any():
-        arrays += _entry_set_arrays(rp, local) + _entry_set_arrays(rp, ~local)
+    arrays += [a for part in _reference_sets(rp) if part is not None for a in part]
     return [a.astype(np.int32) for a in arrays]
+
+
+def _reference_sets(rp):
+    """(local, remote, heads) brute-force set arrays of ``rp`` (None where ``build_rank_tables`` has no set)."""
+    kinds, tail = entry_kinds_by_units(rp)
+    if not (kinds > 0).any():
+        return None, None, None
+    off = np.asarray(rp.seq_kv_offset)
+    split = kinds == 2
+    local = _entry_set_arrays(rp, kinds > 0, np.where(split, tail, off))
+    heads = _entry_set_arrays(rp, split, off, tail) if split.any() else None
+    return local, _entry_set_arrays(rp, kinds == 0), heads
 
 
 @pytest.mark.parametrize("hq, hkv, H, M", HEADS)
 @pytest.mark.parametrize("kv_fetch", ["group", "prefix"])
 def test_local_first_entry_sets_equal_the_row_by_row_split(hq, hkv, H, M, kv_fetch):
-    """An entry is local iff every arranged Q row and key row it reads is self-sourced (checked row by row on
-    the expanded routes); the (local, remote) sets partition the entries, and the pool-wide loads agree."""
+    """The (local, remote, heads) sets equal the row-by-row split of the expanded routes: local entries with all
+    their keys and split entries with their self-sourced key tail (causal), remote entries (causal), split
+    entries with the keys before the tail (no mask)."""
     heads, plan = _plan(hq, hkv, H, M, kv_fetch)
     seen = set()
     for rp in plan.ranks:
-        t, local = build_rank_tables(rp), local_entries_by_units(rp)
-        np.testing.assert_array_equal(rank_local_entries(rp), local)
-        loads = entry_pair_heads(np.diff(rp.cu_seqlens_q), rp.seq_k_len, heads.q_heads_per_shard)
-        np.testing.assert_allclose(plan.hosted_pair_heads[:, rp.rank], [loads[local].sum(), loads[~local].sum()])
-        seen.add((bool(local.any()), bool((~local).any())))
-        if not local.any():
-            assert t.local is None and t.remote is None
-            continue
-        for part, keep in ((t.local, local), (t.remote, ~local)):
-            want = _entry_set_arrays(rp, keep)
-            for got, ref in zip((part.q_rows.expand(), part.k_gather.expand(), part.cu_q, part.cu_k), want):
-                np.testing.assert_array_equal(got, ref)
-    assert (True, True) in seen, seen  # this pool has ranks with both kinds of entries
+        t = build_rank_tables(rp)
+        np.testing.assert_array_equal(rank_local_entries(rp), local_entries_by_units(rp))
+        want = _reference_sets(rp)
+        seen.add(tuple(w is not None for w in want))
+        for part, ref in zip((t.local, t.remote, t.heads), want):
+            assert (part is None) == (ref is None)
+            if part is not None:
+                for got, arr in zip((part.q_rows.expand(), part.k_gather.expand(), part.cu_q, part.cu_k), ref):
+                    np.testing.assert_array_equal(got, arr)
+    assert (True, True, False) in seen or (True, True, True) in seen, seen  # ranks with local entries
 
 
 def test_chunks_reading_the_same_kv_pieces_share_one_table_and_tables_are_cached_per_plan():

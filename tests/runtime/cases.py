@@ -139,7 +139,7 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     errs = [_rel_err(a, shard_tokens(b, layout, c)) for a, b in zip(got, ref)]
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
     from libra_megatron.plan.memory import saved_bytes_per_rank
-    from libra_megatron.testing.unit_tables import local_entries_by_units
+    from libra_megatron.testing.unit_tables import entry_kinds_by_units
 
     predicted = int(saved_bytes_per_rank(plan, rp.heads, layout.local_len, case["save_mode"])[rank])
     return dict(errs=errs, bytes=dict(stats.bytes_sent), plan_bytes=list(rp.bytes_sent),
@@ -147,7 +147,7 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
                 kv_recv_bytes=kv_recv_remote * rp.heads.kv_bytes_per_token(), saved_bytes=stats.saved_bytes,
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
                 kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)),
-                local_remote_entries=[int(x.sum()) for x in (local_entries_by_units(rp), ~local_entries_by_units(rp))],
+                entry_kinds=np.bincount(entry_kinds_by_units(rp)[0], minlength=3).tolist(),  # remote, local, split
                 waited=sorted(stats.wait_seconds))
 
 

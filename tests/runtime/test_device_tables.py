@@ -40,7 +40,8 @@ def assert_device_tables_equal_unit_tables(rp):
     assert len(kv_ids) == len({id(r) for r in tables.kv_send})  # chunks sharing a kv piece share the tensor
     assert dev.nbytes == tables.nbytes() == sum(t.numel() * 4 for t in _distinct(dev))
     assert (dev.local is None) == (dev.remote is None) == (tables.local is None)
-    for part, host in ((dev.local, tables.local), (dev.remote, tables.remote)):
+    assert (dev.heads is None) == (tables.heads is None)
+    for part, host in ((dev.local, tables.local), (dev.remote, tables.remote), (dev.heads, tables.heads)):
         if part is not None:  # the local-first entry sets went up unchanged
             for name in ("q_rows", "k_gather"):
                 np.testing.assert_array_equal(getattr(part, name).numpy(), getattr(host, name).expand())
@@ -51,7 +52,7 @@ def assert_device_tables_equal_unit_tables(rp):
 def _distinct(dev):
     arrays = [t for c in dev.chunks for t in (c.q_fwd.send_rows, c.kv_fwd.send_rows, c.q_fwd.recv_rows,
                                               c.kv_fwd.recv_rows)] + [dev.k_gather, dev.batch.cu_q, dev.batch.cu_k]
-    arrays += [t for part in (dev.local, dev.remote) if part is not None
+    arrays += [t for part in (dev.local, dev.remote, dev.heads) if part is not None
                for t in (part.q_rows, part.k_gather, part.batch.cu_q, part.batch.cu_k)]
     return list({id(t): t for t in arrays}.values())
 

@@ -235,3 +235,33 @@ def test_empty_batch_never_reaches_a_kernel():
     out, lse = backend.fwd(q, k, k, batch, SCALE)
     assert out.shape == q.shape and lse.shape == (4, 0)
     assert [t.shape for t in backend.bwd(q, q, k, k, out, lse, batch, SCALE)] == [q.shape, k.shape, k.shape]
+
+
+def _dense_unmasked(q, k, v, batch):
+    """fp64 attention of every entry's queries over all of its keys (no mask), independently of the backends."""
+    return fake_kernels.dense_varlen(q.double(), k.double(), v.double(), batch.cu_q, batch.cu_k, SCALE, causal=False)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flash-2.6.3", "flash-2.7.4.post1", "flash-2.8.3", "torch_flash"])
+def test_forward_without_mask_reaches_every_backend(monkeypatch, backend):
+    """The split entries' keys before their self-sourced tail precede every query: one call with causal off.
+    Each backend passes the flag the way its kernel takes it and matches a dense unmasked reference."""
+    batch = _batch()
+    dtype = torch.float64 if backend == "torch" else torch.bfloat16
+    q, k, v, _ = _tensors(dtype)
+    if backend == "torch":
+        out, lse = torch_fwd(q, k, v, batch, SCALE, causal=False)
+    elif backend.startswith("flash"):
+        install_flash_attn(monkeypatch, backend.split("-", 1)[1])
+        out, lse = fa_backend.flash_fwd(q, k, v, batch, SCALE, causal=False)
+        assert CALLS[-1][1]["causal"] is False
+    else:
+        ops = fake_kernels.fake_aten_ops(sorted(fake_kernels.ATEN_SCHEMAS)[-1])
+        monkeypatch.setattr(torch_flash, "aten_flash_ops", lambda: ops)
+        out, lse = torch_flash.torch_flash_fwd(q, k, v, batch, SCALE, causal=False)
+        assert CALLS[-1][1]["is_causal"] is False
+    want_out, want_lse = _dense_unmasked(q, k, v, batch)
+    _close(out, want_out, dtype)
+    _close(lse, want_lse, dtype)
+    causal_out, _ = torch_fwd(q.double(), k.double(), v.double(), batch, SCALE)
+    assert not torch.allclose(causal_out, want_out)  # the flag matters on these entries (k_len > q_len)

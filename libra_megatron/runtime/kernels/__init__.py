@@ -89,11 +89,14 @@ class KernelBackend:
     raw_bwd: Callable
     unsupported: Callable[[torch.device, torch.dtype, int], Optional[str]]
 
-    def fwd(self, q, k, v, batch: VarlenBatch, scale: float):
+    def fwd(self, q, k, v, batch: VarlenBatch, scale: float, causal: bool = True):
+        """``causal`` False: every query sees all of its entry's keys (key blocks that precede all its queries)."""
         if batch.num_entries == 0:
             lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             return torch.zeros_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
-        return self.raw_fwd(q, k, v, batch, scale)
+        if causal:
+            return self.raw_fwd(q, k, v, batch, scale)
+        return self.raw_fwd(q, k, v, batch, scale, causal=False)
 
     def bwd(self, dout, q, k, v, out, lse, batch: VarlenBatch, scale: float, deterministic: bool = False):
         """``deterministic``: Megatron-LM's --deterministic-mode (TransformerConfig.deterministic_mode), passed

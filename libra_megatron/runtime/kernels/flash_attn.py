@@ -67,10 +67,10 @@ def flash_available() -> bool:
 
 
 # ------------------------------------------------------------------ 2.6.x
-def _fwd_26(fai, q, k, v, batch, scale):
+def _fwd_26(fai, q, k, v, batch, scale, causal=True):
     res = fai._flash_attn_varlen_forward(
         q, k, v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, scale,
-        causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+        causal=bool(causal), window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
     )
     return res[0], res[5]  # (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
 
@@ -83,10 +83,10 @@ def _bwd_26(fai, dout, q, k, v, out, lse, dq, dk, dv, batch, scale, deterministi
 
 
 # ------------------------------------------------------------------ 2.7.x, 2.8.x (custom ops)
-def _fwd_27(fai, q, k, v, batch, scale):
+def _fwd_27(fai, q, k, v, batch, scale, causal=True):
     out, lse, _s_dmask, _rng = fai._flash_attn_varlen_forward(
         q, k, v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, scale,
-        causal=True, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+        causal=bool(causal), window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
         return_softmax=False, block_table=None,
     )
     return out, lse
@@ -115,9 +115,9 @@ def _calls():
     return SUPPORTED_LINES[line]
 
 
-def flash_fwd(q, k, v, batch, scale: float):
-    """(out (nq, hq, d), lse (hq, nq) fp32)."""
-    return _calls()[0](_interface(), q, k, v, batch, scale)
+def flash_fwd(q, k, v, batch, scale: float, causal: bool = True):
+    """(out (nq, hq, d), lse (hq, nq) fp32). ``causal`` False: every query sees all of its entry's keys."""
+    return _calls()[0](_interface(), q, k, v, batch, scale, causal)
 
 
 def flash_bwd(dout, q, k, v, out, lse, batch, scale: float, deterministic: bool = False):

@@ -64,13 +64,13 @@ def _reduce_group(dx_e, hkv: int, dtype):
     return dx_e.view(nk, hkv, hq // hkv, d).sum(2, dtype=torch.float32).to(dtype)
 
 
-def torch_flash_fwd(q, k, v, batch, scale: float, expand_kv: bool = False):
-    """(out (nq, hq, d), lse (hq, nq) fp32)."""
+def torch_flash_fwd(q, k, v, batch, scale: float, expand_kv: bool = False, causal: bool = True):
+    """(out (nq, hq, d), lse (hq, nq) fp32). ``causal`` False: every query sees all of its entry's keys."""
     fwd_op, _ = aten_flash_ops()
     group = q.shape[1] // k.shape[1] if expand_kv else 1
     out, lse, _rng, _unused, _dbg = fwd_op(
         q, _expanded(k, group), _expanded(v, group), batch.cu_q, batch.cu_k, batch.max_q, batch.max_k,
-        0.0, True, False, scale=scale,
+        0.0, bool(causal), False, scale=scale,
     )
     return out, lse
 

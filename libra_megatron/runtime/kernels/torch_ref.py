@@ -30,6 +30,12 @@ def _row_tiles(q0: int, q1: int, k0: int, k1: int):
         yield r0, r1, kend, offset + (r0 - q0)
 
 
+def _full_tiles(q0: int, q1: int, k0: int, k1: int):
+    """Like ``_row_tiles`` without the causal mask: every row sees keys [k0, k1)."""
+    for r0 in range(q0, q1, ROW_TILE):
+        yield r0, min(q1, r0 + ROW_TILE), k1, (k1 - k0) + (q1 - q0)
+
+
 def _tile_scores(q, k, scale, first_pos):
     """q (R, hq, d), k (n, hq, d) -> masked scores (hq, R, n): row i sees key j iff j <= first_pos + i."""
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
@@ -43,14 +49,17 @@ def _expand_kv(x, group: int):
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def torch_fwd(q, k, v, batch, scale: float):
+def torch_fwd(q, k, v, batch, scale: float, causal: bool = True):
+    """(out, lse). ``causal`` False: every query row sees all of its entry's keys (the ring-style key blocks
+    that precede all of an entry's queries, ``runtime.libra_attn``)."""
     ct = _compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=ct, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=ct, device=q.device)
     for q0, q1, k0, k1 in batch.bounds:
         ke, ve = _expand_kv(k[k0:k1].to(ct), group), _expand_kv(v[k0:k1].to(ct), group)
-        for r0, r1, kend, first in _row_tiles(q0, q1, k0, k1):
+        tiles = _row_tiles(q0, q1, k0, k1) if causal else _full_tiles(q0, q1, k0, k1)
+        for r0, r1, kend, first in tiles:
             if kend == k0:
                 continue  # rows that see no key: out 0, lse -inf (flash-attn's convention)
             s = _tile_scores(q[r0:r1].to(ct), ke[: kend - k0], scale, first)
