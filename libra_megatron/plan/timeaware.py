@@ -13,11 +13,11 @@ the slowest worker w* and tries single-tile moves that touch it:
 and applies the best one if it lowers (max over workers, time of w*) lexicographically without raising
 the max. Moves are evaluated incrementally: only the workers a move touches are re-priced, all candidate
 moves of a round in one ``pipeline_seconds`` call. The incremental link bytes per phase are exact; the
-local compute is a per-fragment estimate (a fragment on its Q-home whose key rows [0, e) the home holds),
-which can call local what the plan merges into a remote varlen entry. So the search is a heuristic, and
-the guarantee is checked on the real plans: ``refine_for_time`` prices both final assignments with
-``worker_times`` (the exchange plan's traffic and ``hosted_pair_heads``) and returns Algorithm 2's unless
-the refined one is faster. The result is never slower than Algorithm 2 under the model (tested), even
+local compute is a per-fragment estimate (a fragment on its Q-home computes locally over the suffix of its
+key rows the home holds), which can call local what the plan merges into a remote or shorter-tailed entry.
+So the search is a heuristic, and the guarantee is checked on the real plans: ``refine_for_time`` prices
+both final assignments with ``worker_times`` (the exchange plan's traffic, ``hosted_pair_heads`` and lead)
+and returns Algorithm 2's unless the refined one is faster. The result is never slower than Algorithm 2 under the model (tested), even
 where it leaves more FLOPs imbalance.
 """
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .exchange import build_exchange_plan
-from .kv_refs import held_rows
-from .tiles import TileSet, causal_pairs
+from .kv_refs import home_runs_in_prefix
+from .local_entries import entry_pair_heads
+from .tiles import TileSet
 from .timing import StepTimeModel
 from .traffic import chunk_phase_bytes, plan_traffic
 
@@ -51,14 +52,19 @@ _NCOL = 10
 
 
 def _home_local_flops(tiles: TileSet) -> np.ndarray:
-    """float64 [T]: pair-heads of every tile's fragments that are local when it stays on its Q-home (the home
-    holds the fragment's key rows [0, e): ``plan.local_entries`` before entries merge)."""
+    """float64 [T]: pair-heads every tile computes before any dispatch arrives when it stays on its Q-home
+    (``plan.local_entries`` before entries merge): each fragment [a, e) attends locally to the suffix [s, e)
+    of its key rows [0, e) that the home holds (s = 0: a local entry; s > 0: a split entry's key tail)."""
     nfrag = np.diff(tiles.frag_ptr)
     block = np.repeat(np.arange(nfrag.size, dtype=np.int64), nfrag)
-    e = tiles.frag_q_end
-    local = held_rows(tiles, tiles.frag_doc, tiles.block_home[block], e) == e
-    pairs = causal_pairs(tiles.frag_q_start, e) * tiles.heads.q_heads_per_shard
-    return np.bincount(block, weights=np.where(local, pairs, 0), minlength=nfrag.size)[tiles.tile_block()]
+    home, a, e = tiles.block_home[block], tiles.frag_q_start, tiles.frag_q_end
+    frag, run, count = home_runs_in_prefix(tiles, tiles.frag_doc, e)
+    foreign = tiles.doc_home_worker[run] != home[frag]
+    tail = np.zeros(e.size, dtype=np.int64)
+    np.maximum.at(tail, frag[foreign], tiles.doc_home_offset[run[foreign]] + count[foreign])
+    pairs = entry_pair_heads(e - a, e - tail, tiles.heads.q_heads_per_shard)
+    covered = tail <= a  # the tail covers the queries (always: the home holds rows [a, e)); else remote
+    return np.bincount(block, weights=np.where(covered, pairs, 0), minlength=nfrag.size)[tiles.tile_block()]
 
 
 class _PoolTraffic:

@@ -137,8 +137,8 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
                    help="GPUs per node (decides which links are intra-node)")
     g.add_argument("--no-local-first", action="store_true",
-                   help="price the previous Pipeliner schedule (every entry after its chunk's dispatch arrived) "
-                        "instead of the runtime's local-first one, for comparison")
+                   help="price the plans without the Pipeliner's local split (every entry after its chunk's "
+                        "dispatch arrived) instead of the runtime's local-first schedule, for comparison")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 

@@ -15,10 +15,12 @@ links); the two classes run concurrently, so comm seconds = max(intra time, inte
 
 Exposure (TAP Pipeliner, §4.4). Each worker's seconds come from the Pipeliner's event timeline
 (``plan.timing.pipeline_seconds``, the one rule): chunk m's dispatch and return take the link seconds of
-their bytes (``plan.traffic.PlanTraffic.phase_seconds``), local entries (Q and K/V from the worker itself)
-compute while the dispatch is in flight, remote entries after it arrived; transfers share one FIFO link,
-compute one stream. exposed = seconds - compute. ``local_first=False`` (``--no-local-first``) prices the
-previous runtime's schedule (no local entries first) for comparison.
+their bytes (``plan.traffic.PlanTraffic.phase_seconds``); every dispatch is issued at once, the first k
+chunks' local entries (Q and K/V from the worker itself) compute while they travel, each chunk's remote
+entries after its dispatch arrived, the other local entries while the returns travel (k = the plan's
+per-rank lead); transfers share one FIFO link, compute one stream. exposed = seconds - compute.
+``local_first=False`` (``--no-local-first``) prices the same plans without the local split (every entry
+after its chunk's dispatch) for comparison.
 """
 
 from __future__ import annotations
@@ -160,11 +162,13 @@ class CostModel:
             "flops_per_pair_head": 4 * self.head_dim,
             "local_first": self.local_first,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
-                         "link (D0, D1, R0, D2, R1, ..., R_{M-1}), one compute stream; per chunk "
-                         + ("local entries while the dispatch is in flight (after the remote ones in the last "
-                            "chunk), " if self.local_first else "")
-                         + "remote entries after the dispatch, return waited one chunk later; "
-                         "D_m = Q/M + KV/F on K/V-sending chunks, R_m = O/M, link seconds per phase",
+                         "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
+                         "stream; "
+                         + ("the first k chunks' local entries while the dispatches travel, the rest while the "
+                            "returns travel (k = the plan's per-rank lead), " if self.local_first else
+                            "no local split, ")
+                         + "each chunk's remote entries after its dispatch; D_m = Q/M + KV/F on K/V-sending "
+                         "chunks, R_m = O/M, link seconds per phase",
         }
         out["calibration"] = None if self.calibration is None else {
             "device": self.calibration.device, "heads": list(self.calibration.heads)}

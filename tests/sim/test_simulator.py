@@ -10,7 +10,7 @@ import pytest
 from libra_megatron.config import SequencePlacement, TilePlacement
 from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.local_entries import entry_pair_heads, rank_local_entries
+from libra_megatron.plan.local_entries import LOCAL, SPLIT, entry_pair_heads, rank_entry_kinds
 from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.sequences import place_sequences
@@ -69,10 +69,16 @@ def _rank_phase_seconds(plan, rank, heads, node):
 
 
 def _rank_local_share(plan, rank, heads):
-    """Share of the rank's Eq. 6 load in varlen entries that read only self-sourced rows (its routes' view)."""
+    """Share of the rank's Eq. 6 load computed before any dispatch arrives (its routes' view): local entries
+    whole, split entries over their self-sourced key tail."""
     rp = plan.for_rank(rank)
-    load = entry_pair_heads(np.diff(rp.cu_seqlens_q), rp.seq_k_len, heads.q_heads_per_shard).astype(float)
-    return load[rank_local_entries(rp)].sum() / load.sum() if load.sum() else 0.0
+    q_len = np.diff(rp.cu_seqlens_q)
+    k_hi = np.asarray(rp.seq_kv_offset) + np.asarray(rp.seq_k_len)
+    kinds, tail = rank_entry_kinds(rp)
+    load = entry_pair_heads(q_len, rp.seq_k_len, heads.q_heads_per_shard).astype(float)
+    early = np.where(kinds == LOCAL, load, np.where(kinds == SPLIT, entry_pair_heads(q_len, k_hi - tail,
+                                                                                      heads.q_heads_per_shard), 0.0))
+    return early.sum() / load.sum() if load.sum() else 0.0
 
 
 def _reference_libra(P, H, B, local_first=True):

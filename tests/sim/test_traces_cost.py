@@ -82,7 +82,8 @@ def test_cost_model_prices_a_worker_by_the_pipeliner_timeline_and_the_default_ra
     old = CostModel(head_dim=8, num_chunks=2, local_first=False)
     assert old.worker_seconds(*args).tolist() == [8.0]
     assert old.assumptions()["local_first"] is False and "local entries" not in old.assumptions()["step_time"]
-    assert "local entries while the dispatch is in flight" in cost.assumptions()["step_time"]
+    assert "no local split" in old.assumptions()["step_time"]
+    assert "local entries while the dispatches travel" in cost.assumptions()["step_time"]
     # one place for the default rates: the CLI, CostModel and StepTimeModel agree (values unchanged)
     from libra_megatron.sim.__main__ import build_parser
     args = build_parser().parse_args(["--trace", "x", "--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2"])
