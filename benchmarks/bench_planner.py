@@ -130,7 +130,7 @@ def _rank_plan_ms(plan, num_workers: int):
 
 
 PLACEMENT = TilePlacement.DENSE  # --tile-placement (the shipped configs/libra/*.yaml)
-NUM_CHUNKS = 8  # --num-chunks (the shipped configs/libra/*.yaml)
+NUM_CHUNKS = None  # --num-chunks; None: the shipped configs/libra/*.yaml (8 at 256K, 4 at 1M)
 
 
 def _place_and_plan(tiles, head_dim):
@@ -149,7 +149,8 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     name, seq_len, cp, block, H, head_dims, budget = case
     tiling, kv_fetch = MODES[mode]
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
-    heads = HeadLayout(*head_dims, head_split=H, num_chunks=NUM_CHUNKS if head_dims[0] % (H * NUM_CHUNKS) == 0 else 4,
+    chunks = NUM_CHUNKS or (8 if seq_len <= 256 * 1024 else 4)
+    heads = HeadLayout(*head_dims, head_split=H, num_chunks=chunks if head_dims[0] % (H * chunks) == 0 else 4,
                        elem_bytes=2)
     for trace, segs in segs_by_trace.items():
         times = {"build": [], "place": [], "exchange": [], "rank": [], "expand": [], "tiles": [], "gc": []}
@@ -200,7 +201,8 @@ def main() -> None:
     parser.add_argument("--vrsp-only", action="store_true", help="only the VRSP timings (no pool plans)")
     parser.add_argument("--tile-placement", choices=[p.value for p in TilePlacement], default=PLACEMENT.value,
                         help="tile placement timed (default: the shipped one)")
-    parser.add_argument("--num-chunks", type=int, default=NUM_CHUNKS, help="Pipeliner chunks M (default: shipped)")
+    parser.add_argument("--num-chunks", type=int, default=None, help="Pipeliner chunks M (default: the shipped, "
+                        "8 at 256K, 4 at 1M)")
     parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=[c[0] for c in CASES],
                         help="pool cases to time (default: all)")
     parser.add_argument("--gc", choices=["auto", "manual"], default="auto",
@@ -213,7 +215,7 @@ def main() -> None:
     CLOCK = time.process_time if args.cpu else time.perf_counter
     torch.set_num_threads(1)  # the expand column: one thread's work (a GPU does it on the device)
     print(f"clock: {'process CPU time' if args.cpu else 'wall clock'}; gc: {args.gc}; tile placement "
-          f"{PLACEMENT.value}, M={NUM_CHUNKS}; load average {os.getloadavg()[0]:.1f}")
+          f"{PLACEMENT.value}, M={NUM_CHUNKS or 'shipped'}; load average {os.getloadavg()[0]:.1f}")
     segs_by_trace = {}
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
         docs = load_trace(find_trace(trace))

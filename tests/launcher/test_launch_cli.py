@@ -186,10 +186,11 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
                  context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
                  micro_batch_size=_flag(argv, "--micro-batch-size"),
                  global_batch_size=_flag(argv, "--global-batch-size"))
-    # paper §6.3/§4 defaults, except B=4096 at 1M and H=2 with adaptive tiles and prefix KV fetch (the
-    # simulator's choice, see docs/launcher.md "Knob choice")
-    assert (cfg.pool_size, cfg.head_split, cfg.block_size, cfg.num_chunks, cfg.tau) == (8, 2, 4096, 4, 0.03)
-    assert (cfg.tiling.value, cfg.kv_fetch.value) == ("adaptive", "prefix")
+    # paper §6.3/§4 defaults, except B=4096 at 1M, H=2 with adaptive tiles and prefix KV fetch (the
+    # simulator's choice, see docs/launcher.md "Knob choice"), dense placement and M=8 at 256K (docs/exchange.md)
+    chunks = 8 if config.stem.endswith("256k") else 4
+    assert (cfg.pool_size, cfg.head_split, cfg.block_size, cfg.num_chunks, cfg.tau) == (8, 2, 4096, chunks, 0.03)
+    assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
 
 
 def test_libra_yaml_files_hold_only_known_keys():
