@@ -12,17 +12,17 @@ queries is **split** (the ring-attention step, issue 14): its queries attend to 
 causal call) and to the keys before the tail after the dispatch (a call without mask: they precede every
 query); the two partial outputs merge by log-sum-exp. ``self_tail_start`` finds the tail.
 
-One rule, two views of the same run tables:
-    ``rank_local_entries(rank_plan)``  per rank, from its routes (what the runtime executes)
-    ``pool_local_entries(...)``        pool-wide, from the builder's run tables (what the simulator prices)
-Both count foreign rows with ``foreign_rows_in`` over runs that partition the arranged buffer.
+One rule (``entry_kinds``), two views of the same run tables:
+    ``rank_entry_kinds(rank_plan)``  per rank, from its routes (what the runtime executes)
+    ``pool_entry_kinds(...)``        pool-wide, from the builder's run tables (what the simulator prices)
+Both read runs that partition the arranged buffer with ``foreign_rows_in`` and ``self_tail_start``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["foreign_rows_in", "rank_local_entries", "pool_local_entries", "route_foreign_rows", "entry_pair_heads",
-           "self_tail_start", "entry_kinds", "rank_entry_kinds", "pool_entry_kinds", "REMOTE", "LOCAL", "SPLIT"]
+__all__ = ["foreign_rows_in", "rank_local_entries", "entry_pair_heads", "self_tail_start", "entry_kinds",
+           "rank_entry_kinds", "pool_entry_kinds", "REMOTE", "LOCAL", "SPLIT"]
 
 
 def foreign_rows_in(run_start, run_count, run_foreign, lo, hi) -> np.ndarray:
@@ -102,31 +102,19 @@ def rank_entry_kinds(plan):
     return entry_kinds(q_foreign, k_lo, tail, k_hi, np.diff(cu)), tail
 
 
-def route_foreign_rows(route, rank: int, lo, hi) -> np.ndarray:
-    """``foreign_rows_in`` for the target buffer of a forward ``Route`` of ``rank``: its receive runs are
-    grouped by source in rank order, so the runs of the self segment are those starting inside
-    [sum(recv_splits[:rank]), +recv_splits[rank]) of the received units."""
-    runs = route.recv_runs
-    first_unit = np.cumsum(runs.count) - runs.count
-    self_lo = int(route.recv_splits[:rank].sum())
-    self_hi = self_lo + int(route.recv_splits[rank])
-    foreign = (first_unit < self_lo) | (first_unit >= self_hi)
-    return foreign_rows_in(runs.start, runs.count, foreign, lo, hi)
-
-
 def rank_local_entries(plan) -> np.ndarray:
     """bool [n_seqs]: the varlen entries of ``plan`` (a ``RankPlan``) that read only self-sourced rows."""
-    cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
-    k_lo = np.asarray(plan.seq_kv_offset, dtype=np.int64)
-    k_hi = k_lo + np.asarray(plan.seq_k_len, dtype=np.int64)
-    q_foreign = route_foreign_rows(plan.q_route, plan.rank, cu[:-1], cu[1:])
-    k_foreign = route_foreign_rows(plan.kv_route, plan.rank, k_lo, k_hi)
-    return (q_foreign == 0) & (k_foreign == 0)
+    return rank_entry_kinds(plan)[0] == LOCAL
 
 
 def pool_entry_kinds(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo, k_hi):
     """(kinds, tail - k_lo) of every destination's entries at once (``rank_entry_kinds``), from the builder's
-    pool-wide tables (arguments as in ``pool_local_entries``)."""
+    pool-wide tables.
+
+    q_runs, kv_runs  (src, dst, tgt_start, count) int64 arrays: every run of the Q / KV routes
+    q_len, kv_len    int64 [W]: arranged Q / KV rows of every destination
+    entry_dst, q_lo, q_hi, k_lo, k_hi  int64 [n]: every varlen entry's destination and its row ranges
+    """
     def runs(table, lengths):
         src, dst, tgt, count = (np.asarray(x, dtype=np.int64) for x in table)
         base = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64)
@@ -138,21 +126,6 @@ def pool_entry_kinds(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo
     lo, hi = k_base[entry_dst] + k_lo, k_base[entry_dst] + k_hi
     tail = self_tail_start(k_start, k_count, k_foreign_run, lo, hi)
     return entry_kinds(q_foreign, lo, tail, hi, np.asarray(q_hi) - np.asarray(q_lo)), tail - lo
-
-
-def pool_local_entries(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo, k_hi) -> np.ndarray:
-    """bool [n]: ``rank_local_entries`` of every destination at once, from the builder's pool-wide tables.
-
-    q_runs, kv_runs  (src, dst, tgt_start, count) int64 arrays: every run of the Q / KV routes
-    q_len, kv_len    int64 [W]: arranged Q / KV rows of every destination
-    entry_dst, q_lo, q_hi, k_lo, k_hi  int64 [n]: every varlen entry's destination and its row ranges
-    """
-    def foreign(runs, lengths, lo, hi):
-        src, dst, tgt, count = (np.asarray(x, dtype=np.int64) for x in runs)
-        base = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64)
-        return foreign_rows_in(base[dst] + tgt, count, src != dst, base[entry_dst] + lo, base[entry_dst] + hi)
-
-    return (foreign(q_runs, q_len, q_lo, q_hi) == 0) & (foreign(kv_runs, kv_len, k_lo, k_hi) == 0)
 
 
 def entry_pair_heads(q_len, k_len, q_heads_per_shard: int) -> np.ndarray:
