@@ -30,7 +30,7 @@ from .tiles import TileSet
 from .timeaware import plan_worker_seconds, refine_for_time
 from .timing import StepTimeModel
 
-__all__ = ["TilePlacementResult", "place_tiles", "assignment_comm_bytes", "worker_loads"]
+__all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads"]
 
 _MAX_REFINE_STEPS_PER_WORKER = 4  # REFINED stops after 4*W accepted moves/swaps
 
@@ -182,6 +182,11 @@ _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
     TilePlacement.DENSE: _run_dense,
 }
 _TIMED = (TilePlacement.TIME, TilePlacement.DENSE)  # the placers that read a timing model
+
+
+def reads_timing(method) -> bool:
+    """Whether tile placement ``method`` places by a ``StepTimeModel`` (its nodes and rates)."""
+    return TilePlacement(method) in _TIMED
 
 
 def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,

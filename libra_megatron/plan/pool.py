@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..config import LibraConfig, TilePlacement, flag_name
+from ..config import LibraConfig, flag_name
 from .exchange import ExchangePlan, build_exchange_plan
 from .layout import HeadLayout, TokenLayout
 from .tiles import TileSet, build_tiles
@@ -88,12 +88,11 @@ def plan_pool(
 def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,
                      heads: HeadLayout, *, tile_cost_model=None, timing=None) -> tuple:
     """(TileSet, TilePlacementResult) of one pool: ``plan_pool``'s tiles and TAP placement, no exchange plan."""
-    from .placement import place_tiles  # lazy: placement is optional for callers of exchange alone
+    from .placement import place_tiles, reads_timing  # lazy: placement is optional for callers of exchange alone
 
     _check_consistent(seq_segments, config, layout, heads)
     tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
                         kv_fetch=config.kv_fetch)
     tile_cost = None if tile_cost_model is None else tile_cost_model.tile_costs(tiles)
-    timed = TilePlacement(config.tile_placement) in (TilePlacement.TIME, TilePlacement.DENSE)
     return tiles, place_tiles(tiles, config.tau, config.tile_placement, tile_cost=tile_cost,
-                              timing=timing if timed else None)
+                              timing=timing if reads_timing(config.tile_placement) else None)

@@ -23,11 +23,11 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..config import KvFetch, TilePlacement, TilingPolicy
+from ..config import KvFetch, TilingPolicy
 from ..plan.exchange import build_exchange_plan
 from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
 from ..plan.layout import HeadLayout, TokenLayout
-from ..plan.placement import TilePlacementResult, place_tiles
+from ..plan.placement import TilePlacementResult, place_tiles, reads_timing
 from ..plan.tiles import TileSet, build_tiles
 from ..plan.traffic import plan_traffic
 from .cost import CostModel
@@ -195,7 +195,7 @@ class PoolEvaluator:
         hit = self._cache.get(key)
         if hit is None:
             tiles = self._tileset(tkey, knobs)
-            timed = TilePlacement(method) in (TilePlacement.TIME, TilePlacement.DENSE)  # by node: offset is a key
+            timed = reads_timing(method)  # places by node, so the node offset is a key
             node_offset = first_gpu % self.cost.gpus_per_node if timed else None
             pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)
