@@ -1,22 +1,29 @@
-"""Dense-first node export (issue 14): after Algorithm 2, the work a node ships to other nodes is its densest.
+"""Dense-first node export (issue 14): after Algorithm 2, only overloaded nodes ship work, and they ship their
+densest tiles.
 
-Pure numpy. Algorithm 2 walks tiles by decreasing load and gives each the cheapest feasible worker: a node's
-big tiles -- the late rows of its long documents, the most compute per byte moved -- land at home while
-there is room, and the node's overflow ships its *small* tiles: short documents, whose Q and O cost far
-more link time than the attention they carry (wikipedia 256K, Qwen3-30B-A3B: a median 0.2 ms of compute per
-ms of inter-node transfer). The placement keeps Algorithm 2's flow between nodes and changes only *which*
-tiles carry it:
+Pure numpy. Algorithm 2 walks tiles by decreasing load and gives each the cheapest feasible worker, so a
+heavy node's big tiles -- the late rows of its long documents, the most compute per byte moved -- fill the
+*other* nodes' workers first, and those nodes' own small tiles then overflow and cross nodes as well: the
+flow between nodes runs both ways, and most of it is short documents, whose Q and O cost far more link time
+than the attention they carry (wikipedia 256K, Qwen3-30B-A3B: a median 0.2 ms of compute per ms of
+inter-node transfer). The placement keeps Algorithm 2's load per node and its busiest worker as the cap C,
+and nets the flow:
 
-    for every node n and every worker d on another node that received tiles homed on n (quota q_d = their
-    load), refill q_d with n's tiles in decreasing density f_t / bytes_t (bytes_t: Q + O of the tile plus
-    its whole key prefix, as if d held nothing), never past q_d; what is left of q_d keeps the tiles it had;
-    tiles of n that no longer leave go back to n's workers, largest first onto the worker with the most
-    freed load (the workers whose dense tiles left).
+    node n homes H_n of load and hosts A_n under Algorithm 2; excess E_n = H_n - A_n
+    exports: a node with E_n > 0 ships its densest tiles (f_t / bytes_t, bytes_t = Q + O of the tile plus its
+        whole key prefix), every one that still fits in what is left of E_n; every other tile stays on its node
+    exports are placed first, largest first: on the worker that took the tile's KV group last while it and
+        its node have room (the prefix is fetched once), else on the least-loaded worker of the node with
+        E_n < 0 that has the most room (room = workers * C - the load it keeps; any other node's when no
+        importer has room for the tile)
+    kept tiles then fill around them, largest first: on their home worker while it stays <= C, else on the
+        node's least-loaded worker (intra-node moves only)
 
-Loads per node and per destination stay within one tile of Algorithm 2's; intra-node balance is
-restored by the refill. ``place_tiles`` keeps the result only when the step-time model prices its slowest
-worker below Algorithm 2's (``plan.placement``): never slower under the model.
-Cost: O(tiles log tiles) numpy plus a Python loop over (node, destination) pairs.
+So a node that Algorithm 2 does not overload sends nothing, the load that crosses nodes is at most the net
+imbalance, and a node's own small tiles pack around the big imported ones (placing imports last left
+fragmented room, 10-30% imbalance on wikipedia pools). ``place_tiles`` keeps the result
+only when the step-time model prices its slowest worker below Algorithm 2's (``plan.placement``): never
+slower under the model. Cost: O(tiles log tiles) numpy plus a Python loop over tiles.
 """
 from __future__ import annotations
 
@@ -46,80 +53,76 @@ def _prefix_group(tiles: TileSet) -> np.ndarray:
 
 
 def export_dense_first(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, node_of_worker) -> np.ndarray:
-    """The dense-first assignment (module docstring) of ``assignment``; int64 [num_tiles]. ``loads`` = f_t."""
+    """The dense-first assignment (module docstring) of Algorithm 2's ``assignment``; int64 [num_tiles].
+    ``loads`` = f_t; ``node_of_worker`` int [W]."""
     node = np.asarray(node_of_worker, dtype=np.int64)
-    out = np.array(assignment, dtype=np.int64)
     f = np.asarray(loads, dtype=np.float64)
-    home_node = node[tiles.tile_home()]
+    home = tiles.tile_home().astype(np.int64)
+    home_node = node[home]
+    hosted = np.bincount(np.asarray(assignment, dtype=np.int64), weights=f, minlength=node.size)
+    cap = float(hosted.max())
+    excess = np.bincount(home_node, weights=f, minlength=node.max() + 1) - np.bincount(node, weights=hosted)
+    excess[np.abs(excess) <= 1e-9 * f.sum()] = 0.0  # rounding of the two sums, not load
     density = tile_density(tiles, f)
-    group = _prefix_group(tiles)
-    for n in np.unique(home_node).tolist():
-        _refill_node(out, f, density, node, home_node == n, n, group)
+    exported = _exports(f, density, home_node, excess)
+    kept_load = np.bincount(home_node, weights=np.where(exported, 0.0, f), minlength=excess.size)
+    room = np.bincount(node, minlength=excess.size) * cap - kept_load  # per node, before imports
+    out = np.empty(home.size, dtype=np.int64)
+    load = np.zeros(node.size)
+    _place_exports(out, load, np.flatnonzero(exported), f, _prefix_group(tiles), node, home_node, excess < 0, room,
+                   cap)
+    for n in np.unique(node).tolist():
+        kept = np.flatnonzero((home_node == n) & ~exported)
+        _keep_on_node(out, load, kept, f, home, np.flatnonzero(node == n), cap)
     return out
 
 
-def _refill_node(out: np.ndarray, f: np.ndarray, density: np.ndarray, node: np.ndarray, homed: np.ndarray,
-                 n: int, group: np.ndarray) -> None:
-    """Re-choose which tiles homed on node ``n`` leave it (in place on ``out``)."""
-    mine = np.flatnonzero(homed)
-    away = mine[node[out[mine]] != n]
-    if away.size == 0:
-        return
-    quota = np.bincount(out[away], weights=f[away], minlength=node.size)
-    origin = out.copy()
-    ranked = mine[np.lexsort((mine, -density[mine]))]  # densest first, then tile id
-    members = _members_by_group(ranked, group)
-    taken = np.zeros(out.size, dtype=bool)
-    for d in np.flatnonzero(quota > 0)[np.argsort(-quota[quota > 0], kind="stable")].tolist():
-        room = quota[d]
-        while room > 0:
-            free = ranked[~taken[ranked]]
-            fits = free[f[free] <= room]
-            if fits.size == 0:
-                break
-            # the densest tile that fits, then its KV group's tiles in density order while they fit: the
-            # group's prefix is fetched once for all of them
-            room = _take(out, taken, f, fits[:1], d, room)
-            room = _take(out, taken, f, members[int(group[fits[0]])], d, room)
-        # what is left: the tiles that used to go to d, in their order, while they fit
-        room = _take(out, taken, f, away[origin[away] == d], d, room)
-    _return_home(out, f, node, n, origin, mine[~taken[mine]])
+def _exports(f, density, home_node, excess) -> np.ndarray:
+    """bool [num_tiles]: the tiles each node with excess E_n > 0 ships: densest first, every tile that still
+    fits in what is left of E_n (module docstring)."""
+    out = np.zeros(f.size, dtype=bool)
+    for n in np.flatnonzero(excess > 0).tolist():
+        mine = np.flatnonzero(home_node == n)
+        left = float(excess[n])
+        for t in mine[np.lexsort((mine, -density[mine]))].tolist():
+            if f[t] <= left:
+                out[t] = True
+                left -= f[t]
+    return out
 
 
-def _members_by_group(ranked: np.ndarray, group: np.ndarray) -> dict:
-    """group id -> its tiles among ``ranked``, in ranked order."""
-    keys = group[ranked]
-    order = np.argsort(keys, kind="stable")
-    cuts = np.flatnonzero(np.diff(keys[order])) + 1
-    return {int(g[0]): ranked[order][idx] for g, idx in zip(np.split(keys[order], cuts),
-                                                           np.split(np.arange(ranked.size), cuts))}
-
-
-def _take(out, taken, f, tiles: np.ndarray, d: int, room: float) -> float:
-    """Send the untaken ``tiles`` to d in order while they fit in ``room``; returns the room left."""
-    free = tiles[~taken[tiles]]
-    fit = free[np.cumsum(f[free]) <= room]
-    out[fit], taken[fit] = d, True
-    return room - float(f[fit].sum())
-
-
-def _return_home(out, f, node, n: int, origin, staying) -> None:
-    """Tiles of node n that stay on it: kept where they were when they were on n; the ones that used to leave
-    go largest first onto the worker of n with the most freed load (dense tiles that left) -- or, when that
-    would lift it above Algorithm 2's busiest worker, onto the least-loaded worker of the pool."""
-    workers = np.flatnonzero(node == n)
-    was_away = staying[node[origin[staying]] != n]
-    left = np.flatnonzero((node[origin] == n) & (node[out] != n))  # tiles that now leave n from its workers
-    freed = np.bincount(origin[left], weights=f[left], minlength=node.size)[workers]
-    limit = np.bincount(origin, weights=f, minlength=node.size).max()
-    loads = np.bincount(out, weights=f, minlength=node.size)
-    for t in was_away[np.lexsort((was_away, -f[was_away]))].tolist():
-        loads[out[t]] -= f[t]
-        i = int(np.argmax(freed))
-        w = int(workers[i])
-        if loads[w] + f[t] > limit:
-            w = int(np.argmin(loads))
-        else:
-            freed[i] -= f[t]
+def _keep_on_node(out, load, kept, f, home, workers, cap: float) -> None:
+    """Place a node's kept tiles, largest first: home while it stays <= cap, else its least-loaded worker."""
+    for t in kept[np.lexsort((kept, -f[kept]))].tolist():
+        w = int(home[t])
+        if load[w] + f[t] > cap:
+            w = int(workers[np.argmin(load[workers])])
         out[t] = w
-        loads[w] += f[t]
+        load[w] += f[t]
+
+
+def _place_exports(out, load, exported, f, group, node, home_node, importer, room, cap: float) -> None:
+    """Place exported tiles largest first, before any kept tile (module docstring): on their group's last
+    worker while it and its node have room, else on the least-loaded worker of the importing node with the
+    most room (of any other node when no importer has room for it)."""
+    last = {}
+    for t in exported[np.lexsort((exported, -f[exported]))].tolist():
+        abroad = np.arange(room.size) != home_node[t]
+        d = last.get(int(group[t]), -1)
+        if d < 0 or load[d] + f[t] > cap or room[node[d]] < f[t]:
+            n = _most_room(room, f[t], abroad & importer)
+            n = _most_room(room, f[t], abroad) if n < 0 else n
+            n = int(np.argmax(np.where(abroad, room, -np.inf))) if n < 0 else n
+            workers = np.flatnonzero(node == n)
+            d = int(workers[np.argmin(load[workers])])
+        out[t] = d
+        load[d] += f[t]
+        room[node[d]] -= f[t]
+        last[int(group[t])] = d
+
+
+def _most_room(room, need: float, allowed) -> int:
+    """The allowed node with the most room when it fits ``need``; -1 when none does."""
+    free = np.where(allowed, room, -np.inf)
+    n = int(np.argmax(free))
+    return n if free[n] >= need else -1
