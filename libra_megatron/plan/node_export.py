@@ -92,13 +92,15 @@ def _exports(f, density, home_node, excess) -> np.ndarray:
 
 
 def _keep_on_node(out, load, kept, f, home, workers, cap: float) -> None:
-    """Place a node's kept tiles, largest first: home while it stays <= cap, else its least-loaded worker."""
-    for t in kept[np.lexsort((kept, -f[kept]))].tolist():
-        w = int(home[t])
-        if load[w] + f[t] > cap:
-            w = int(workers[np.argmin(load[workers])])
+    """Place a node's kept tiles, largest first: home while it stays <= cap, else the node's least-loaded worker."""
+    kept = kept[np.lexsort((kept, -f[kept]))]
+    node_load = {int(w): float(load[w]) for w in workers}  # plain floats: this loop runs per tile
+    for t, w, size in zip(kept.tolist(), home[kept].tolist(), f[kept].tolist()):
+        if node_load[w] + size > cap:
+            w = min(node_load, key=node_load.__getitem__)  # least loaded; ties: the lowest worker id
         out[t] = w
-        load[w] += f[t]
+        node_load[w] += size
+    load[workers] = [node_load[int(w)] for w in workers]
 
 
 def _place_exports(out, load, exported, f, group, node, home_node, importer, room, cap: float) -> None:
