@@ -390,21 +390,17 @@ def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.n
     entry_pair = np.empty(perm.size, dtype=np.int64)
     entry_pair[perm] = np.cumsum(new_pair) - 1
     key = (dst * H + head) * S + doc  # non-decreasing in hosted order
-    q_src = tiles.block_home[order[it] // H]
-    varlen = _merge_entries(dst, key, q_src, ent["a"], ent["e"], q_tgt[it] + ent["row_in_block"],
-                            pair_off[entry_pair], W)
+    varlen = _merge_entries(dst, key, ent["a"], ent["e"], q_tgt[it] + ent["row_in_block"], pair_off[entry_pair], W)
     kv = _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len)
     kv_len = np.bincount(pair_dst, weights=pair_len, minlength=W).astype(np.int64)
     pairs = np.stack([pair_dst, pair_class, pair_doc, pair_off, pair_len])
     return kv, kv_len, varlen, pairs
 
 
-def _merge_entries(dst, key, q_src, a, e, q_start, kv_off, num_workers: int) -> _Varlen:
-    """Merge consecutive entries of one (destination, head, doc) whose query rows continue (e == next a) and
-    come from one Q-home worker (a tile kept home never merges into a migrated one: it stays a local or split
-    entry, whose work runs while the dispatch travels, ``plan.local_entries``)."""
+def _merge_entries(dst, key, a, e, q_start, kv_off, num_workers: int) -> _Varlen:
+    """Merge consecutive entries of one (destination, head, doc) whose query rows continue (e == next a)."""
     start = np.ones(key.size, dtype=bool)
-    start[1:] = (key[1:] != key[:-1]) | (e[:-1] != a[1:]) | (q_src[1:] != q_src[:-1])
+    start[1:] = (key[1:] != key[:-1]) | (e[:-1] != a[1:])
     idx = np.flatnonzero(start)
     last = np.concatenate([idx[1:], [key.size]]) - 1
     m_dst = dst[idx]

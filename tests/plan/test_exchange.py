@@ -232,21 +232,6 @@ def test_adjacent_tiles_of_one_sample_merge_into_one_varlen_entry():
     assert np.diff(rp.cu_seqlens_q).tolist() == [3, 30, 7, 3, 30, 7]
 
 
-def test_a_tile_kept_home_never_merges_with_a_migrated_tile_that_continues_it():
-    """CP=2 contiguous, one 16-token doc, B=4: worker 0 holds rows [0, 8) and also hosts block [8, 12) of
-    worker 1. The query rows continue, but the migrated block is its own entry, so rows [0, 8) stay a local
-    entry (all their keys are worker 0's own) and run while the dispatch travels."""
-    layout, heads = TokenLayout("contiguous", 16, 2), HeadLayout(2, 2, 4, 1, 1)
-    tiles = build_tiles([[16]], layout, heads, 4, tiling="uniform")
-    assign = tiles.tile_home().copy()
-    assign[2] = 0
-    plan = build_exchange_plan(tiles, assign)
-    rp = plan.ranks[0]
-    assert np.diff(rp.cu_seqlens_q).tolist() == [8, 4] and rp.seq_k_len.tolist() == [8, 12]
-    local, remote = plan.hosted_pair_heads[:, 0]
-    assert local == 2 * 8 * 9 // 2 and remote == 2 * (9 + 10 + 11 + 12)  # heads * causal pairs
-
-
 def test_fingerprint_is_identical_on_every_rank_and_changes_with_the_assignment():
     layout, heads = TokenLayout("zigzag", 32, 2), HeadLayout(8, 2, 4, 2, 2)
     tiles = build_tiles([[10, 22], [32]], layout, heads, 4)
