@@ -13,7 +13,8 @@ on a GPU this is device work at the first use of the plan).
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
-  256K / 1M: CP=8 / 16, B=4096, H=2, Qwen3-30B-A3B hq=32 hkv=4 d=128 (the shipped configs)  budget 20 / 50 ms
+  256K / 1M: CP=8 / 16, Qwen3-30B-A3B hq=32 hkv=4 d=128, B, H, M and tau of the shipped configs/libra/*.yaml
+            budget 20 / 50 ms
 VRSP: place_sequences at GBS=1024 (Alg. 1, refined, and sync at DP 32-256, PP 1-8)   budget 5 ms
 (`--vrsp-only` runs just these)
 """
@@ -53,8 +54,8 @@ CASES = (  # name, L, CP, B, H, (hq, hkv, d), budget ms
     ("1M H=2", 1024 * 1024, 16, 8192, 2, (128, 4, 256), 50.0),
     ("1M H=4", 1024 * 1024, 16, 8192, 4, (128, 4, 256), 50.0),
     ("1M H=4 q8b", 1024 * 1024, 16, 8192, 4, (32, 8, 128), 50.0),  # Qwen3-8B heads
-    ("256K q30b", 256 * 1024, 8, 4096, 2, (32, 4, 128), 20.0),  # Qwen3-30B-A3B, configs/libra/256k.yaml
-    ("1M q30b", 1024 * 1024, 16, 4096, 2, (32, 4, 128), 50.0),  # Qwen3-30B-A3B, configs/libra/1m.yaml
+    ("256K q30b", 256 * 1024, 8, None, None, (32, 4, 128), 20.0),  # Qwen3-30B-A3B, knobs of configs/libra/256k.yaml
+    ("1M q30b", 1024 * 1024, 16, None, None, (32, 4, 128), 50.0),  # Qwen3-30B-A3B, knobs of configs/libra/1m.yaml
 )
 MODES = {"paper": (TilingPolicy.UNIFORM, KvFetch.GROUP), "ours": (TilingPolicy.ADAPTIVE, KvFetch.PREFIX)}
 RANK_SAMPLES = 8  # ranks per pool whose RankPlan is timed; the slowest counts (every rank waits for its own)
@@ -130,15 +131,25 @@ def _rank_plan_ms(plan, num_workers: int):
 
 
 PLACEMENT = TilePlacement.DENSE  # --tile-placement (the shipped configs/libra/*.yaml)
-NUM_CHUNKS = None  # --num-chunks; None: the shipped configs/libra/*.yaml (8 at 256K, 4 at 1M)
+NUM_CHUNKS = None  # --num-chunks; None: the shipped configs/libra/*.yaml
+SHIPPED = {256 * 1024: "256k.yaml", 1024 * 1024: "1m.yaml"}  # B = H = None in CASES: these files' knobs
 
 
-def _place_and_plan(tiles, head_dim):
+def shipped_knobs(seq_len: int):
+    """(B, H, M, tau) of the shipped configs/libra YAML for ``seq_len``."""
+    from libra_megatron.config import LibraConfig
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "libra", SHIPPED[seq_len])
+    cfg = LibraConfig.from_yaml(path)
+    return cfg.block_size, cfg.head_split, cfg.num_chunks, cfg.tau
+
+
+def _place_and_plan(tiles, head_dim, tau):
     """(placement, its ExchangePlan with every rank's Pipeliner lead, place ms, exchange ms) as ``plan_pool``
     does it: the 'dense' placer builds and prices its candidates' plans itself (counted in place)."""
     model = StepTimeModel(head_dim)
     timing = model if PLACEMENT in (TilePlacement.DENSE, TilePlacement.TIME) else None
-    result, t_place = timed(place_tiles, tiles, 0.03, PLACEMENT, timing=timing)
+    result, t_place = timed(place_tiles, tiles, tau, PLACEMENT, timing=timing)
     if result.exchange is not None:
         return result, result.exchange, t_place, 0.0
     plan, t_ex = timed(build_exchange_plan, tiles, result.assignment, model)
@@ -149,7 +160,10 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     name, seq_len, cp, block, H, head_dims, budget = case
     tiling, kv_fetch = MODES[mode]
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
-    chunks = NUM_CHUNKS or (8 if seq_len <= 256 * 1024 else 4)
+    chunks, tau = (8 if seq_len <= 256 * 1024 else 4), 0.03  # the paper-scale cases
+    if block is None:
+        block, H, chunks, tau = shipped_knobs(seq_len)
+    chunks = NUM_CHUNKS or chunks
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=chunks if head_dims[0] % (H * chunks) == 0 else 4,
                        elem_bytes=2)
     for trace, segs in segs_by_trace.items():
@@ -158,9 +172,9 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
             for _ in range(reps):
                 between_pools()
                 gc_before = FULL_GC.ms
-                tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=0.03,
+                tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=tau,
                                        kv_fetch=kv_fetch)
-                result, plan, t_place, t_ex = _place_and_plan(tiles, head_dims[2])
+                result, plan, t_place, t_ex = _place_and_plan(tiles, head_dims[2], tau)
                 t_rank, t_expand = _rank_plan_ms(plan, tiles.num_workers)
                 for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
                                  ("expand", t_expand), ("tiles", tiles.num_tiles), ("gc", FULL_GC.ms - gc_before)):
@@ -201,8 +215,8 @@ def main() -> None:
     parser.add_argument("--vrsp-only", action="store_true", help="only the VRSP timings (no pool plans)")
     parser.add_argument("--tile-placement", choices=[p.value for p in TilePlacement], default=PLACEMENT.value,
                         help="tile placement timed (default: the shipped one)")
-    parser.add_argument("--num-chunks", type=int, default=None, help="Pipeliner chunks M (default: the shipped, "
-                        "8 at 256K, 4 at 1M)")
+    parser.add_argument("--num-chunks", type=int, default=None,
+                        help="Pipeliner chunks M (default: the shipped YAML's for the q30b cases, else 8 at 256K, 4 at 1M)")
     parser.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], default=[c[0] for c in CASES],
                         help="pool cases to time (default: all)")
     parser.add_argument("--gc", choices=["auto", "manual"], default="auto",

@@ -186,10 +186,10 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
                  context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
                  micro_batch_size=_flag(argv, "--micro-batch-size"),
                  global_batch_size=_flag(argv, "--global-batch-size"))
-    # paper §6.3/§4 defaults, except B=4096 at 1M, H=2 with adaptive tiles and prefix KV fetch (the
-    # simulator's choice, see docs/launcher.md "Knob choice"), dense placement and M=8 at 256K (docs/exchange.md)
-    chunks = 8 if config.stem.endswith("256k") else 4
-    assert (cfg.pool_size, cfg.head_split, cfg.block_size, cfg.num_chunks, cfg.tau) == (8, 2, 4096, chunks, 0.03)
+    # the simulator's choices (docs/launcher.md "Knob choice", docs/exchange.md): P=8 and M=4 as in the paper,
+    # adaptive tiles, prefix KV fetch, dense placement; H=4, B=2048, tau=0.03 at 256K; H=2, B=4096, tau=0.01 at 1M
+    knobs = (4, 2048, 0.03) if config.stem.endswith("256k") else (2, 4096, 0.01)
+    assert (cfg.pool_size, cfg.num_chunks, cfg.head_split, cfg.block_size, cfg.tau) == (8, 4) + knobs
     assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
 
 
