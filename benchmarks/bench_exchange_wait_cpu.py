@@ -133,7 +133,8 @@ def fitted_cost(pools, per_instance, args, measured_kernel, bytes_per_s):
     pair_heads = sum(float(pool_tiles(segs, args)[1].tile_flops().sum()) for segs in pools)
     flops_per_s = 4.0 * args.d * pair_heads / float(np.sum(measured_kernel))
     return CostModel(head_dim=args.d, attn_tflops=flops_per_s / 1e12, intra_node_gbps=bytes_per_s / 1e9,
-                     inter_node_gbps=bytes_per_s / 1e9, gpus_per_node=W, num_chunks=args.num_chunks)
+                     inter_node_gbps=bytes_per_s / 1e9, gpus_per_node=W, num_chunks=args.num_chunks,
+                     kv_relay=False)  # one node, and the ranks execute direct plans
 
 
 def _report(method, measured, comp, exp):

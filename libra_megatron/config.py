@@ -92,6 +92,14 @@ class TilingPolicy(str, enum.Enum):
     ADAPTIVE = "adaptive"  # uniform, then blocks heavier than half of Alg. 2's C are halved (at most 3 times)
 
 
+class KvRelay(str, enum.Enum):
+    """Whether exchange plans relay K/V between nodes (``plan.exchange``, "Relay"; issue 14)."""
+
+    OFF = "off"  # every destination fetches its K/V from the home worker (the paper)
+    AUTO = "auto"  # one destination per node fetches a home run its node needs several times and forwards it
+    # over the node's links, unless the Pipeliner timeline prices the pool's slowest worker slower with it
+
+
 class KvFetch(str, enum.Enum):
     """Which K/V rows a destination fetches for the documents its tiles read (§4.3.3)."""
 
@@ -173,6 +181,8 @@ class LibraConfig:
     """SH-Tile blocks: uniform (the paper) | adaptive (blocks above C/2 of Alg. 2 are halved, >= B/8 tokens)."""
     kv_fetch: KvFetch = KvFetch.PREFIX
     """K/V a destination fetches per document: group (the paper, whole) | prefix (causal prefix only)."""
+    kv_relay: KvRelay = KvRelay.OFF
+    """K/V relay between nodes: off (the paper) | auto (per pool plan, when the timeline prices it no slower)."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -357,6 +367,7 @@ _ENUM_FIELDS = {
     "save_mode": SaveModeName,
     "tiling": TilingPolicy,
     "kv_fetch": KvFetch,
+    "kv_relay": KvRelay,
 }
 
 

@@ -30,6 +30,7 @@ from ..config import (
     TokenLayoutKind,
     TilingPolicy,
     KvFetch,
+    KvRelay,
     flag_name,
 )
 
@@ -45,7 +46,7 @@ _FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
     "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
     "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
     "save_mode": SaveModeName, "activation_budget_gb": float,
-    "tiling": TilingPolicy, "kv_fetch": KvFetch,
+    "tiling": TilingPolicy, "kv_fetch": KvFetch, "kv_relay": KvRelay,
 }
 _HELP = {
     "pool_size": "P: DP replicas per sequence pool (P | DP); a pool has P*CP workers.",
@@ -65,6 +66,8 @@ _HELP = {
                             "(all layers of the pipeline stage).",
     "tiling": "SH-Tile blocks: uniform (paper) or adaptive (heavy blocks halved).",
     "kv_fetch": "K/V fetched per document: group (paper, whole) or prefix (causal prefix only).",
+    "kv_relay": "K/V relay between nodes: off (paper) or auto (one worker per node fetches K/V its node needs "
+                "several times and forwards it; kept per pool plan when the Pipeliner timeline prices it no slower).",
 }
 _ABLATIONS = {  # switch -> (config key, value it forces)
     "libra_disable_vrsp": ("sequence_placement", SequencePlacement.CONTIGUOUS),

@@ -170,6 +170,15 @@ class LibraCoreAttention(MegatronModule):
 
         return groups.get_pool_group()
 
+    def relay_group(self):
+        """Group of a relaying plan's relay exchanges: the groups module's twin of the pool group when the pool group
+        comes from there and it made one (``kv_relay: auto``), else None (the pool group itself)."""
+        if self._pool_group is None and getattr(self.pg_collection, "libra_pool", None) is None:
+            from . import groups
+
+            return groups.get_pool_relay_group()
+        return None
+
     def check_group(self):
         """Group of the plan verification: explicit, else the groups module's gloo twin (when the pool group
         comes from there), else the pool group itself."""
@@ -267,6 +276,6 @@ class LibraCoreAttention(MegatronModule):
         verify = getattr(packed_seq_params, _VERIFIED_ATTR, None) is not plan  # a fresh carrier or a new plan
         out = libra_attn_func(q, k, v, plan, self.pool_group(), softmax_scale=self.softmax_scale, backend=backend,
                               qkv_format="thd", save_mode=mode.value, verify=verify, check_group=self.check_group(),
-                              deterministic=self.deterministic)
+                              deterministic=self.deterministic, relay_group=self.relay_group())
         setattr(packed_seq_params, _VERIFIED_ATTR, plan)
         return out

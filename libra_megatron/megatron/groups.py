@@ -23,6 +23,7 @@ __all__ = [
     "initialize_pool_groups",
     "get_pool_group",
     "get_pool_check_group",
+    "get_pool_relay_group",
     "get_pool_rank",
     "get_pool_size_workers",
     "get_pool_index",
@@ -37,6 +38,7 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 class _PoolState:
     group: Any = None
     check_group: Any = None  # gloo twin of ``group``: plan verification without reading device memory
+    relay_group: Any = None  # twin of ``group`` (same backend): K/V relay exchanges beside the dispatches
     ranks: Optional[List[int]] = None
     pool_index: int = -1
     all_groups: List[Any] = []
@@ -86,8 +88,9 @@ def pool_rank_lists(world_size: int, tp: int, pp: int, cp: int, dp: int, pool_si
     return pools.reshape(-1, pool_size * cp).tolist()
 
 
-def initialize_pool_groups(pool_size: int, order: str = "tp-cp-ep-dp-pp", timeout=None) -> None:
+def initialize_pool_groups(pool_size: int, order: str = "tp-cp-ep-dp-pp", timeout=None, relay: bool = False) -> None:
     """Create every pool group (same order on all ranks); call right after ``initialize_model_parallel``.
+    ``relay``: also a twin of every pool group, for K/V relay exchanges (``kv_relay: auto``).
 
     Reads TP/PP/CP/DP sizes from ``parallel_state`` and checks that this rank's pool lies inside its
     DP x CP group in pool-local order (so ``order`` must be the one Megatron was initialised with).
@@ -105,12 +108,14 @@ def initialize_pool_groups(pool_size: int, order: str = "tp-cp-ep-dp-pp", timeou
     pools = pool_rank_lists(world, tp, pp, cp, dp, pool_size, order=order)
     groups = [ps.create_group(ranks, timeout=timeout, group_desc="LIBRA_POOL") for ranks in pools]
     gloo = [ps.create_group(ranks, timeout=timeout, backend="gloo", group_desc="LIBRA_POOL_GLOO") for ranks in pools]
+    twins = [ps.create_group(ranks, timeout=timeout, group_desc="LIBRA_POOL_RELAY") for ranks in pools] if relay else None
     mine = [i for i, ranks in enumerate(pools) if rank in ranks]
     assert len(mine) == 1, f"rank {rank} must be in exactly one pool, found {mine}"
     ranks = pools[mine[0]]
     _check_against_parallel_state(ranks, rank, pool_size, cp, order)
     _STATE.group, _STATE.ranks, _STATE.all_groups = groups[mine[0]], ranks, groups
     _STATE.check_group = gloo[mine[0]]
+    _STATE.relay_group = twins[mine[0]] if twins else None
     _STATE.pool_index = mine[0] % (dp // pool_size)
 
 
@@ -137,6 +142,13 @@ def get_pool_group():
     """This rank's pool process group (P*CP ranks)."""
     _require()
     return _STATE.group
+
+
+def get_pool_relay_group():
+    """Twin of ``get_pool_group()`` for the K/V relay's exchanges (so they do not queue behind the dispatches on
+    one communicator); None when the pool groups were made without ``relay`` (the relay then uses the pool group)."""
+    _require()
+    return _STATE.relay_group
 
 
 def get_pool_check_group():
@@ -179,4 +191,4 @@ def pool_groups_initialized() -> bool:
 def destroy_pool_groups() -> None:
     """Forget the pool groups, like ``parallel_state.destroy_model_parallel`` forgets its own. Idempotent."""
     _STATE.group, _STATE.ranks, _STATE.pool_index, _STATE.all_groups = None, None, -1, []
-    _STATE.check_group = None
+    _STATE.check_group = _STATE.relay_group = None

@@ -57,7 +57,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
-from ..config import LibraConfig, TokenLayoutKind
+from ..config import KvRelay, LibraConfig, TokenLayoutKind
 
 __all__ = ["LibraHooks", "check_supported_layout", "validate_run", "carrier_format"]
 
@@ -233,7 +233,7 @@ class LibraHooks:
         logger.info("Libra batches use the %s carrier (%s)", self.qkv_format,
                     "RoPE positions restart per document" if self.qkv_format == "thd"
                     else "RoPE positions run over the packed sequence")
-        initialize_pool_groups(config.pool_size, order=_rank_order(args))
+        initialize_pool_groups(config.pool_size, order=_rank_order(args), relay=config.kv_relay is KvRelay.AUTO)
         _size_table_cache(args)
         self.tp_cpu_group = _tp_gloo_group()
         self.config = config

@@ -90,9 +90,9 @@ def _window_pools(window_segments: Sequence[Sequence[int]], order: Sequence[int]
 
 
 def _worst_worker_load(pool_segments: Sequence[Sequence[int]], config: Any, layout: Any, heads: Any) -> float:
-    from ..plan.pool import place_pool_tiles
+    from ..plan.pool import place_pool_tiles, pool_timing
 
-    _, placement = place_pool_tiles(pool_segments, config, layout, heads)
+    _, placement = place_pool_tiles(pool_segments, config, layout, heads, timing=pool_timing(config, heads))
     return float(np.max(placement.loads))
 
 

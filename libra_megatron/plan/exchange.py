@@ -18,9 +18,16 @@ buffer, exchange, and *place* into an arranged buffer (a permutation). ``Route.i
 backward route: it gathers from the arranged buffer and *accumulates* into the local buffer (index_add),
 which sums dK/dV fragments fetched by several destinations.
 
+Relay (issue 14). With ``relay_nodes`` (a node per worker), a home run of K/V that several destinations on
+one *other* node fetch crosses nodes once: the destination there that needs the most of it (the relay,
+lowest rank on ties) fetches it along the KV route, and the others copy their prefix of it from the relay's
+arranged buffer along the *relay route* (units = arranged-KV rows, stride 1; inverse = their dK/dV added
+into the relay's arranged dK/dV before it goes home). The KV route's receive runs and the relay route's
+together place every arranged-KV row exactly once.
+
 RankPlan. What one rank executes: its Q route (Q dispatch; inverse = O return, dQ return), its KV route
-(KV fetch, deduplicated per (doc, KV class, destination); inverse = dK/dV return) and the varlen
-metadata of the tiles it hosts, over its arranged buffers.
+(KV fetch, deduplicated per (doc, KV class, destination); inverse = dK/dV return), its relay route (None
+when the pool has no relay) and the varlen metadata of the tiles it hosts, over its arranged buffers.
 
 ExchangePlan. The pool-wide plan: one RankPlan per worker, the tile assignment it realises, byte totals
 and a fingerprint every rank can compare before the first collective.
@@ -31,7 +38,7 @@ import functools
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -203,8 +210,10 @@ class RankPlan:
     seq_kv_offset: np.ndarray
     seq_k_len: np.ndarray
     fingerprint: str
-    bytes_sent: Tuple[int, int, int] = (0, 0, 0)  # (q, kv, o) bytes this rank sends to others per layer
+    bytes_sent: Tuple[int, int, int] = (0, 0, 0)  # (q, kv, o) bytes this rank sends to others per layer (kv:
+    # both hops)
     local_lead: int = -1  # local chunks run before the first remote one (plan.timing.best_lead); -1: M - 1
+    relay_route: Optional[Route] = None  # arranged KV -> arranged KV (module docstring); None: no relay in the pool
 
     @property
     def num_seqs(self) -> int:
@@ -236,6 +245,7 @@ class ExchangePlan:
     hosted_pair_heads: np.ndarray = None  # float64 [2, W]: Eq. 6 load each destination hosts in (local, remote)
     # varlen entries (``plan.local_entries``: local ones run while the dispatch is in flight); sums to the loads
     local_lead: np.ndarray = None  # int64 [W]: every rank's ``RankPlan.local_lead`` (None: not timed, -1 each)
+    relay_units: np.ndarray = None  # int64 [W, W]: arranged-KV rows relay src forwards to dst (None: no relay)
 
     @property
     def num_workers(self) -> int:
@@ -421,6 +431,35 @@ def _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len) -> _Unit
     )
 
 
+def _relay_runs(kv: _UnitRuns, nodes: np.ndarray):
+    """(hop-1 KV runs, relay runs or None) (module docstring, "Relay").
+
+    KV runs of one home run (same src and src_start: same K/V class, same first row) fetched by several
+    destinations on one node other than the source's keep only the longest (the relay R; lowest rank on ties)
+    on the KV route; every other destination w gets a relay run R -> w of its own count, from R's arranged
+    rows [tgt_R, +count_w) to its rows [tgt_w, +count_w). Relay runs come sorted by (dst, tgt)."""
+    node = np.asarray(nodes, dtype=np.int64)
+    cross = np.flatnonzero(node[kv.src] != node[kv.dst])
+    if cross.size < 2:
+        return kv, None
+    src, start, dnode = kv.src[cross], kv.src_start[cross], node[kv.dst[cross]]
+    order = cross[np.lexsort((kv.dst[cross], -kv.count[cross], dnode, start, src))]
+    key = np.stack([kv.src[order], kv.src_start[order], node[kv.dst[order]]])
+    first = np.ones(order.size, dtype=bool)
+    first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
+    if first.all():
+        return kv, None
+    lead = order[np.maximum.accumulate(np.where(first, np.arange(order.size), 0))]  # the relay's run
+    moved = order[~first]
+    relay_of = lead[~first]
+    relay = _UnitRuns(src=kv.dst[relay_of], dst=kv.dst[moved], src_start=kv.tgt_start[relay_of],
+                      count=kv.count[moved], tgt_start=kv.tgt_start[moved])
+    by_dst = np.lexsort((relay.tgt_start, relay.dst))
+    keep = np.ones(kv.src.size, dtype=bool)
+    keep[moved] = False
+    return _UnitRuns(*(x[keep] for x in kv.arrays())), _UnitRuns(*(x[by_dst] for x in relay.arrays()))
+
+
 # ------------------------------------------------------------------ per-rank routes (runs)
 class _RunIndex:
     """A run table sorted twice: by (src, dst, tgt) for the send side, by (dst, src, tgt) for receive.
@@ -479,6 +518,7 @@ class _PlanTables:
     bytes_sent: np.ndarray  # int64 [W, 3]
     fingerprint: str
     local_lead: np.ndarray = None  # int64 [W] or None
+    relay: Optional[_RunIndex] = None  # relay runs (arranged KV rows -> arranged KV rows); None: no relay
 
     def rank_plan(self, rank: int) -> RankPlan:
         H, G = self.heads.head_split, self.heads.num_kv_classes
@@ -491,6 +531,8 @@ class _PlanTables:
             cu_seqlens_q=_frozen(cu), seq_kv_offset=_frozen(v.kv_offset[lo:hi]), seq_k_len=_frozen(v.k_len[lo:hi]),
             fingerprint=self.fingerprint, bytes_sent=tuple(int(b) for b in self.bytes_sent[rank]),
             local_lead=-1 if self.local_lead is None else int(self.local_lead[rank]),
+            relay_route=None if self.relay is None else
+            self.relay.route(rank, 1, self.kv_len[rank], self.kv_len[rank]),
         )
 
 
@@ -536,12 +578,15 @@ class _LazyRankPlans(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-def _bytes_sent(q: _UnitRuns, kv: _UnitRuns, heads: HeadLayout, num_workers: int) -> np.ndarray:
-    """int64 [W, 3]: (Q, KV, O) bytes each worker sends to other workers in one layer forward."""
+def _bytes_sent(q: _UnitRuns, kv: _UnitRuns, heads: HeadLayout, num_workers: int,
+                relay: Optional[_UnitRuns] = None) -> np.ndarray:
+    """int64 [W, 3]: (Q, KV, O) bytes each worker sends to other workers in one layer forward (KV: both hops)."""
     W = num_workers
     q_remote = q.remote_units()
     q_units = np.bincount(q.src, weights=q_remote, minlength=W)
     kv_units = np.bincount(kv.src, weights=kv.remote_units(), minlength=W)
+    if relay is not None:
+        kv_units = kv_units + np.bincount(relay.src, weights=relay.count, minlength=W)
     o_units = np.bincount(q.dst, weights=q_remote, minlength=W)  # outputs go back dst -> home
     per_unit = np.array([heads.q_bytes_per_token(), heads.kv_bytes_per_token(), heads.o_bytes_per_token()])
     return (np.stack([q_units, kv_units, o_units], axis=1).astype(np.int64) * per_unit).astype(np.int64)
@@ -554,12 +599,15 @@ def _peer_units(q: _UnitRuns, kv: _UnitRuns, num_workers: int) -> np.ndarray:
                      for r in (q, kv)]).astype(np.int64)
 
 
-def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varlen, heads: HeadLayout) -> np.ndarray:
+def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varlen, heads: HeadLayout,
+                       relay: Optional[_UnitRuns] = None) -> np.ndarray:
     """float64 [2, W]: (local, remote) Eq. 6 load per destination (``plan.local_entries``): local entries, and
-    the self-sourced key tails of split entries, run before any dispatch arrives."""
+    the self-sourced key tails of split entries, run before any dispatch arrives (relayed rows are foreign)."""
     W = q_len.shape[0]
     dst = np.repeat(np.arange(W, dtype=np.int64), np.diff(varlen.dst_ptr))
-    kinds, tail = pool_entry_kinds((q.src, q.dst, q.tgt_start, q.count), (kv.src, kv.dst, kv.tgt_start, kv.count),
+    both = kv if relay is None else _UnitRuns(*(np.concatenate([a, b]) for a, b in zip(kv.arrays(), relay.arrays())))
+    kinds, tail = pool_entry_kinds((q.src, q.dst, q.tgt_start, q.count),
+                                   (both.src, both.dst, both.tgt_start, both.count),
                                    q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
                                    varlen.kv_offset, varlen.kv_offset + varlen.k_len)
     hps = heads.q_heads_per_shard
@@ -571,7 +619,8 @@ def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varl
     return out
 
 
-def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray, varlen: _Varlen) -> str:
+def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray, varlen: _Varlen,
+                 relay: Optional[_UnitRuns] = None) -> str:
     """sha256 (first 128 bits, hex) over layout, heads, docs, assignment, Q runs, KV pairs and varlen.
 
     These determine every rank's arrays (KV runs are the referenced pairs expanded over the doc
@@ -584,8 +633,9 @@ def _fingerprint(tiles, assignment: np.ndarray, q: _UnitRuns, pairs: np.ndarray,
             hd.head_split, hd.num_chunks, hd.elem_bytes, tiles.block_size]
     h.update(f"{lay.kind.value}/{tiles.tiling.value}/{tiles.kv_fetch.value}".encode())
     h.update(np.asarray(meta, dtype=np.int64).tobytes())
+    relayed = () if relay is None else relay.arrays()  # the nodes decide them
     for arr in (tiles.doc_seq, tiles.doc_len, assignment, *q.arrays(), pairs, varlen.dst_ptr,
-                varlen.q_start, varlen.q_len, varlen.kv_offset, varlen.k_len):
+                varlen.q_start, varlen.q_len, varlen.kv_offset, varlen.k_len, *relayed):
         h.update(np.int64(arr.size).tobytes())
         h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
     return h.hexdigest()[:32]
@@ -617,7 +667,8 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
     ``timing`` (a ``plan.timing.StepTimeModel``): every rank's Pipeliner lead is chosen under it
-    (``plan.timing.best_lead``; it orders local and remote kernel calls, never a collective).
+    (``plan.timing.best_lead``; it orders local and remote kernel calls, never a collective); with
+    ``timing.kv_relay`` the K/V of other nodes is relayed over ``timing.nodes`` (module docstring, "Relay").
     Cost: O(tiles + fragments + referenced groups * homes) here; O(the rank's runs) per RankPlan on access.
     """
     assignment = _check_assignment(tiles, assignment)
@@ -625,30 +676,58 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     order = _hosted_order(tiles, assignment)
     q_runs, q_len = _q_runs(tiles, assignment, order)
     kv_runs, kv_len, varlen, pairs = _kv_and_varlen(tiles, assignment, order, q_runs.tgt_start)
-    sent = _bytes_sent(q_runs, kv_runs, heads, W)
-    fp = _fingerprint(tiles, assignment, q_runs, pairs, varlen)
     peers = _frozen(_peer_units(q_runs, kv_runs, W))
     hosted = _hosted_pair_heads(q_runs, kv_runs, q_len, kv_len, varlen, heads)
-    lead = None if timing is None else _frozen(_lead(peers, hosted, heads, timing))
+    relay = relay_units = lead = None
+    if timing is not None:
+        lead, worst = _lead(peers, hosted, heads, timing)
+        if getattr(timing, "kv_relay", False):
+            hop1, relay = _relay_runs(kv_runs, timing.nodes(W))
+            if relay is not None:  # relay unless the timeline prices the pool's slowest worker slower with it
+                # (ties keep it: the same step for fewer bytes between nodes)
+                r_peers = _frozen(_peer_units(q_runs, hop1, W))
+                r_units = _frozen(np.bincount(relay.src * W + relay.dst, weights=relay.count,
+                                              minlength=W * W).reshape(W, W))
+                r_hosted = _hosted_pair_heads(q_runs, hop1, q_len, kv_len, varlen, heads, relay)
+                r_lead, r_worst = _lead(r_peers, r_hosted, heads, timing, r_units)
+                if r_worst <= worst * (1 + 1e-12):
+                    kv_runs, peers, hosted, lead, relay_units = hop1, r_peers, r_hosted, r_lead, r_units
+                else:
+                    relay = None
+        lead = _frozen(lead)
+    sent = _bytes_sent(q_runs, kv_runs, heads, W, relay)
+    fp = _fingerprint(tiles, assignment, q_runs, pairs, varlen, relay)
     tables = _PlanTables(
         heads=heads, local_tokens=tiles.layout.local_len, q=_RunIndex(q_runs, W), kv=_RunIndex(kv_runs, W),
         q_len=q_len, kv_len=kv_len, varlen=varlen, bytes_sent=sent, fingerprint=fp, local_lead=lead,
+        relay=None if relay is None else _RunIndex(relay, W),
     )
     totals = sent.sum(axis=0)
     return ExchangePlan(
         ranks=_LazyRankPlans(tables), assignment=assignment, fingerprint=fp,
         bytes_q=int(totals[0]), bytes_kv=int(totals[1]), bytes_o=int(totals[2]),
         arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
-        peer_units=peers, hosted_pair_heads=hosted, local_lead=lead,
+        peer_units=peers, hosted_pair_heads=hosted, local_lead=lead, relay_units=relay_units,
     )
 
 
-def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing) -> np.ndarray:
-    """int64 [W]: ``plan.timing.best_lead`` of every rank, from its local / remote loads and phase seconds."""
-    from .timing import best_lead
+def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing, relay_units=None):
+    """(int64 [W] leads, the slowest worker's seconds) under ``timing``: every rank's ``plan.timing.best_lead``
+    from its local / remote loads and phase seconds; with a relay, also every relay sender at lead 0 (it issues
+    its forwards before its local work, so its receivers start sooner), whichever prices the pool faster."""
+    from .timing import best_lead, pipeline_seconds
     from .traffic import traffic_of_units
 
-    traffic = traffic_of_units(peer_units, heads)
-    dispatch, ret = traffic.phase_seconds(timing.nodes(traffic.num_workers), timing)
+    traffic = traffic_of_units(peer_units, heads, relay_units)
+    nodes = timing.nodes(traffic.num_workers)
+    dispatch, ret = traffic.phase_seconds(nodes, timing)
     local, remote = (timing.compute_seconds(x) for x in hosted_pair_heads)
-    return best_lead(local, remote, dispatch, ret)
+    relay = traffic.relay_timing(nodes, timing)
+    lead = best_lead(local, remote, dispatch, ret, relay)
+    worst = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, lead, relay)[0].max()
+    if relay is not None:
+        early = np.where(np.asarray(relay_units).sum(axis=1) > 0, 0, lead)
+        other = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, early, relay)[0].max()
+        if other < worst:
+            lead, worst = early, other
+    return lead, float(worst)

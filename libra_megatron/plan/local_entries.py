@@ -15,7 +15,8 @@ query); the two partial outputs merge by log-sum-exp. ``self_tail_start`` finds 
 One rule (``entry_kinds``), two views of the same run tables:
     ``rank_entry_kinds(rank_plan)``  per rank, from its routes (what the runtime executes)
     ``pool_entry_kinds(...)``        pool-wide, from the builder's run tables (what the simulator prices)
-Both read runs that partition the arranged buffer with ``foreign_rows_in`` and ``self_tail_start``.
+Both read runs that partition the arranged buffer with ``foreign_rows_in`` and ``self_tail_start`` (for
+K/V, the KV route's receive runs and the relay route's, whose rows are always foreign).
 """
 from __future__ import annotations
 
@@ -98,7 +99,12 @@ def rank_entry_kinds(plan):
     k_lo = np.asarray(plan.seq_kv_offset, dtype=np.int64)
     k_hi = k_lo + np.asarray(plan.seq_k_len, dtype=np.int64)
     q_foreign = foreign_rows_in(*route_runs_foreign(plan.q_route, plan.rank), cu[:-1], cu[1:])
-    tail = self_tail_start(*route_runs_foreign(plan.kv_route, plan.rank), k_lo, k_hi)
+    kv_runs = route_runs_foreign(plan.kv_route, plan.rank)
+    if plan.relay_route is not None:  # relayed rows come from another worker of the node: foreign
+        relayed = plan.relay_route.recv_runs
+        kv_runs = tuple(np.concatenate([a, b]) for a, b in
+                        zip(kv_runs, (relayed.start, relayed.count, np.ones(relayed.num_runs, dtype=bool))))
+    tail = self_tail_start(*kv_runs, k_lo, k_hi)
     return entry_kinds(q_foreign, k_lo, tail, k_hi, np.diff(cu)), tail
 
 

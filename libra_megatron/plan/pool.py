@@ -5,17 +5,18 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..config import LibraConfig, flag_name
+from ..config import KvRelay, LibraConfig, flag_name
 from .exchange import ExchangePlan, build_exchange_plan
 from .layout import HeadLayout, TokenLayout
 from .tiles import TileSet, build_tiles
 from .timing import StepTimeModel
 
-__all__ = ["PoolPlan", "plan_pool", "place_pool_tiles"]
+__all__ = ["PoolPlan", "plan_pool", "place_pool_tiles", "pool_timing"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,14 +69,14 @@ def plan_pool(
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
     ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
     that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
-    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and is
-    read by tile placement 'time' and 'dense'; None = its default rates, the pool's workers consecutive GPUs
-    from a node boundary.
+    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and
+    whether K/V is relayed (``config.kv_relay``), and is read by tile placement 'time' and 'dense'; None = its
+    default rates, the pool's workers consecutive GPUs from a node boundary.
     """
     start = time.perf_counter()
+    timing = pool_timing(config, heads, timing)
     tiles, placement = place_pool_tiles(seq_segments, config, layout, heads, tile_cost_model=tile_cost_model,
                                         timing=timing)
-    timing = timing if timing is not None else StepTimeModel(heads.head_dim)  # chooses every rank's Pipeliner lead
     exchange = placement.exchange if placement.exchange is not None else \
         build_exchange_plan(tiles, placement.assignment, timing)
     if validate:
@@ -83,6 +84,13 @@ def plan_pool(
 
         validate_plan(exchange, tiles)
     return PoolPlan(tiles=tiles, placement=placement, exchange=exchange, seconds=time.perf_counter() - start)
+
+
+def pool_timing(config: LibraConfig, heads: HeadLayout, timing=None) -> StepTimeModel:
+    """The pool's time model (default rates, consecutive GPUs when None) with ``config.kv_relay``: it chooses every
+    rank's Pipeliner lead and whether the plan relays K/V."""
+    timing = timing if timing is not None else StepTimeModel(heads.head_dim)
+    return dataclasses.replace(timing, kv_relay=KvRelay(config.kv_relay) is KvRelay.AUTO)
 
 
 def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,

@@ -17,7 +17,11 @@ Per chunk m (local views: Q/O/dQ (t*H*M, qp, d), K/V (t*kvp, kp, d); arranged bu
                 (chunks that read the same kv pieces share one ``RowRuns``)
 Chunk-independent:
     q_arranged / kv_arranged  the routes' recv runs: forward, received row i lands on arranged row
-                recv_index[i] (a permutation); inverse, the arranged rows sent back home in that order
+                recv_index[i] (a permutation; with a relay, kv_arranged and relay_recv together); inverse,
+                the arranged rows sent back home in that order
+    relay_send / relay_recv  the relay route (``plan.exchange``, "Relay"; None without one): arranged-KV rows
+                this rank forwards, grouped by destination, and the arranged-KV rows relayed rows land on;
+                the inverse adds dK|dV of relayed rows into the relay's arranged dK|dV
     k_gather    arranged-KV row of every packed key row of the varlen call: entry i reads rows
                 [seq_kv_offset[i], +seq_k_len[i]), one run per entry
     cu_q, cu_k  int32 [n+1] varlen offsets; q_lens / k_lens for the exact backend's per-entry loop
@@ -176,6 +180,11 @@ class RankTables:
     local: Optional[EntrySet] = None  # causal: local entries, and the self-sourced key tails of split entries
     remote: Optional[EntrySet] = None  # causal: remote entries
     heads: Optional[EntrySet] = None  # no mask: split entries' keys before their tail (None: no split entry)
+    # relay route (None: the pool has no relay)
+    relay_send: Optional[RowRuns] = None
+    relay_recv: Optional[RowRuns] = None
+    relay_splits: Optional[RouteSplits] = None
+    relay_back_splits: Optional[RouteSplits] = None
 
     @property
     def num_entries(self) -> int:
@@ -187,6 +196,8 @@ class RankTables:
     def distinct_runs(self) -> Tuple[RowRuns, ...]:
         """Every distinct row table once (chunks sharing kv pieces share one ``kv_send`` entry)."""
         tables = [*self.q_send, *self.kv_send, self.q_arranged, self.kv_arranged, self.k_gather]
+        if self.relay_send is not None:
+            tables += [self.relay_send, self.relay_recv]
         for part in self.entry_sets():
             tables += [part.q_rows, part.k_gather]
         return tuple({id(t): t for t in tables}.values())
@@ -262,6 +273,7 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
     kv_view_rows = plan.local_tokens * heads.kv_pieces_per_token
     q_splits, kv_splits = RouteSplits.of(qr, r), RouteSplits.of(kr, r)
     local, remote, head_set = _entry_split(plan, q_lens, k_lens)
+    relay = _relay_tables(plan)
     return RankTables(
         q_send=_q_send(qr, heads, q_view_rows), kv_send=_kv_send(kr, heads, kv_view_rows),
         q_arranged=RowRuns.of(qr.recv_runs, qr.target_len), kv_arranged=RowRuns.of(kr.recv_runs, kr.target_len),
@@ -270,8 +282,18 @@ def build_rank_tables(plan: RankPlan) -> RankTables:
         q_splits=q_splits, kv_splits=kv_splits,
         q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
         q_target_len=int(qr.target_len), kv_target_len=int(kr.target_len), local=local, remote=remote,
-        heads=head_set,
+        heads=head_set, **relay,
     )
+
+
+def _relay_tables(plan: RankPlan) -> dict:
+    """The relay route's rows (arranged-KV rows on both sides, chunk-independent) and splits, or {}."""
+    rt = plan.relay_route
+    if rt is None:
+        return {}
+    splits = RouteSplits.of(rt, plan.rank)
+    return dict(relay_send=RowRuns.of(rt.send_runs, rt.source_len), relay_recv=RowRuns.of(rt.recv_runs, rt.target_len),
+                relay_splits=splits, relay_back_splits=splits.inverse(plan.rank))
 
 
 def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):

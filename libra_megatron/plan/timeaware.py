@@ -194,10 +194,11 @@ def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray
 def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
     """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
     timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
-    (``plan.traffic``) -- what the simulator prices."""
-    dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(plan.num_workers), model)
+    (``plan.traffic``, and its relay hop) -- what the simulator prices."""
+    traffic, nodes = plan_traffic(plan), model.nodes(plan.num_workers)
+    dispatch, ret = traffic.phase_seconds(nodes, model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
-    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead)
+    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead, traffic.relay_timing(nodes, model))
 
 
 def _largest(items, key, limit: int) -> List[int]:

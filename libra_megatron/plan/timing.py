@@ -15,6 +15,13 @@ chunks computed before the first remote one; ``best_lead`` picks it per worker, 
     compute L_k .. L_{M-1}                      (the rest of the local entries overlap the returns)
     wait R_0 .. R_{M-1}
 k = M + 1 means no local split: each chunk's entries run in one call after its dispatch (L = 0, X = all).
+With a relay (``RelayTiming``: the plan's relay route, ``plan.exchange``), every rank issues chunk m's relay
+F_m when it has waited D_m (on a second communicator: its own FIFO link), and a rank that receives relayed
+rows in chunk m also waits F_m before X_m:
+    issue_m[w] = max(compute free, D_m arrived)
+    F_m ends   = max(issue_m[w], issue_m of every relay partner of w, relay link free) + F_m seconds
+(an all_to_all moves a pair's rows once both sides have issued it); the relay link's last F ends before
+the layer does.
 Two resources: one FIFO comm link (transfers run one at a time in issue order D_0, ..., D_{M-1}, R_0, ...,
 R_{M-1}; each starts at max(issue time, link free)) and one compute stream (sequential; a wait blocks later
 compute until the transfer ends). seconds = when the last wait returns; compute = sum(L) + sum(X); exposed
@@ -28,12 +35,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
-__all__ = ["StepTimeModel", "pipeline_seconds", "best_lead", "link_seconds", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS",
-           "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"]
+__all__ = ["StepTimeModel", "RelayTiming", "pipeline_seconds", "best_lead", "link_seconds", "DEFAULT_ATTN_TFLOPS",
+           "DEFAULT_INTRA_NODE_GBPS", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"]
 
 GB = 1e9
 TFLOP = 1e12
@@ -51,8 +58,23 @@ def link_seconds(intra_bytes, inter_bytes, intra_node_gbps: float, inter_node_gb
     return np.maximum(intra, inter)
 
 
+@dataclass(frozen=True, eq=False)
+class RelayTiming:
+    """The relay hop of a plan on the timeline (``PlanTraffic.relay_timing``).
+
+    seconds   float64 [W, M]  link seconds of chunk m's relay F_m per worker (0 on chunks that send no K/V)
+    partners  bool [W, W]     w and v exchange relayed rows (either direction)
+    receives  bool [W, M]     w receives relayed rows in chunk m (it waits F_m before its remote entries)
+    """
+
+    seconds: np.ndarray
+    partners: np.ndarray
+    receives: np.ndarray
+
+
 def pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds,
-                     local_first: bool = True, lead=None) -> Tuple[np.ndarray, np.ndarray]:
+                     local_first: bool = True, lead=None, relay: Optional[RelayTiming] = None
+                     ) -> Tuple[np.ndarray, np.ndarray]:
     """(seconds [W], compute [W]) of the Pipeliner timeline (module docstring), vectorised over workers.
 
     local_compute, remote_compute  float [W]: seconds of the worker's local / remote entries (all M chunks)
@@ -60,22 +82,26 @@ def pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_sec
     local_first  False: local entries run with the remote ones, after their chunk's dispatch (for comparison)
     lead         int [W] in [0, M + 1]: local chunks before the first remote one, M + 1 = no local split
                  (default ``best_lead``)
+    relay        the plan's relay hop (``RelayTiming``), None without one
     """
     local, remote, dispatch, ret = _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds)
     compute = local + remote
     if not local_first:
         local, remote = np.zeros_like(local), compute
     if lead is None:
-        lead = best_lead(local, remote, dispatch, ret)
-    return _timeline(local, remote, dispatch, ret, np.broadcast_to(np.asarray(lead, dtype=np.int64), local.shape)), compute
+        lead = best_lead(local, remote, dispatch, ret, relay)
+    lead = np.broadcast_to(np.asarray(lead, dtype=np.int64), local.shape)
+    return _timeline(local, remote, dispatch, ret, lead, relay), compute
 
 
-def best_lead(local_compute, remote_compute, dispatch_seconds, return_seconds) -> np.ndarray:
+def best_lead(local_compute, remote_compute, dispatch_seconds, return_seconds,
+              relay: Optional[RelayTiming] = None) -> np.ndarray:
     """int64 [W]: the lead in [0, M + 1] with the shortest timeline per worker (ties, to 1e-12 relative: the
-    largest). Lead M + 1 = no local split: every entry in its chunk's single call, after the dispatch."""
+    largest). Lead M + 1 = no local split: every entry in its chunk's single call, after the dispatch. With a
+    relay each candidate lead is priced with every worker on it (a worker's relay partners move with it)."""
     local, remote, dispatch, ret = _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds)
     M = dispatch.shape[1]
-    times = np.stack([_timeline(local, remote, dispatch, ret, np.full(local.shape, k, dtype=np.int64))
+    times = np.stack([_timeline(local, remote, dispatch, ret, np.full(local.shape, k, dtype=np.int64), relay)
                       for k in range(M + 2)])  # [M+2, W]
     near = times <= times.min(axis=0) * (1.0 + 1e-12) + 1e-300  # floating-point ties count as ties
     return (M + 1 - np.argmax(near[::-1], axis=0)).astype(np.int64)
@@ -93,19 +119,25 @@ def _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_sec
     return local, remote, dispatch, ret
 
 
-def _timeline(local, remote, dispatch, ret, lead) -> np.ndarray:
+def _timeline(local, remote, dispatch, ret, lead, relay: Optional[RelayTiming] = None) -> np.ndarray:
     """seconds [W] of the listing with lead k = ``lead`` [W] (k = M + 1: no local split)."""
     M = dispatch.shape[1]
     unsplit = lead > M
     local, remote, lead = np.where(unsplit, 0.0, local), np.where(unsplit, local + remote, remote), np.minimum(lead, M)
     arrived = np.cumsum(dispatch, axis=1)  # D_m issued at t = 0, one after another on the link
     link = arrived[:, -1]
+    relay_free = np.zeros_like(link)
     t = local * lead / M  # L_0 .. L_{k-1}
     for m in range(M):
-        t = np.maximum(t, arrived[:, m]) + remote / M
+        t = np.maximum(t, arrived[:, m])
+        if relay is not None and (relay.seconds[:, m].any() or relay.receives[:, m].any()):
+            peers = np.where(relay.partners, t[None, :], 0.0).max(axis=1, initial=0.0)
+            relay_free = np.maximum(np.maximum(t, peers), relay_free) + relay.seconds[:, m]
+            t = np.where(relay.receives[:, m], np.maximum(t, relay_free), t)
+        t = t + remote / M
         link = np.maximum(t, link) + ret[:, m]  # R_m issued after X_m
     t = t + local * (M - lead) / M  # L_k .. L_{M-1}
-    return np.maximum(t, link)
+    return np.maximum(np.maximum(t, link), relay_free)
 
 
 @dataclass(frozen=True)
@@ -117,6 +149,8 @@ class StepTimeModel:
         a pool's workers are not consecutive GPUs); it overrides first_gpu / gpus_per_node in ``nodes``.
     local_first: the runtime computes local entries while the dispatches are in flight (False: every entry
     after its chunk's dispatch, for comparison).
+    kv_relay: exchange plans relay K/V through one destination per node (``plan.exchange``, "Relay"): a
+    home run fetched by several workers of another node crosses nodes once.
     """
 
     head_dim: int
@@ -127,6 +161,7 @@ class StepTimeModel:
     first_gpu: int = 0
     worker_nodes: tuple = ()
     local_first: bool = True
+    kv_relay: bool = False
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
@@ -154,7 +189,8 @@ class StepTimeModel:
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None) -> np.ndarray:
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None,
+                       relay: Optional[RelayTiming] = None) -> np.ndarray:
         """float64 [W]: compute + exposed comm per worker (``pipeline_seconds``; ``lead`` None = the best)."""
         return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first,
-                                lead)[0]
+                                lead, relay)[0]

@@ -11,12 +11,14 @@ Arrival order, as ``runtime.libra_attn._fwd`` executes it (chunk m of M, F = chu
     return m     O rows of piece m (O/M)
 Dispatch m+1 is issued before compute m and return m is waited after compute m+1; with local-first, the
 local entries of chunk m compute while dispatch m is in flight. ``phase_seconds`` gives every transfer's
-link seconds per worker, which ``plan.timing.pipeline_seconds`` lays on the Pipeliner's timeline.
+link seconds per worker, which ``plan.timing.pipeline_seconds`` lays on the Pipeliner's timeline. A plan's
+relay hop (``ExchangePlan.relay_units``) travels per K/V-sending chunk after its dispatch, on its own link
+(``relay_timing``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -29,13 +31,15 @@ __all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes
 class PlanTraffic:
     """Remote bytes of one pool plan per layer forward.
 
-    q, kv   float64 [W, W]  bytes worker src (row) sends to dst (column), diagonal 0
+    q, kv   float64 [W, W]  bytes worker src (row) sends to dst (column), diagonal 0 (kv: the KV route)
     heads   the plan's HeadLayout (M chunks, which chunks send K/V)
+    relay   float64 [W, W]  K/V bytes relay src forwards to dst (None: the plan has no relay)
     """
 
     q: np.ndarray
     kv: np.ndarray
     heads: HeadLayout
+    relay: Optional[np.ndarray] = None
 
     @property
     def o(self) -> np.ndarray:
@@ -46,14 +50,19 @@ class PlanTraffic:
     def num_workers(self) -> int:
         return int(self.q.shape[0])
 
+    @property
+    def kv_both(self) -> np.ndarray:
+        """float64 [W, W]: K/V bytes of both hops (KV route and relay)."""
+        return self.kv if self.relay is None else self.kv + self.relay
+
     def bytes_sent(self) -> np.ndarray:
         """float64 [W, 3]: (Q, KV, O) bytes each worker sends to others (= ``RankPlan.bytes_sent``)."""
-        return np.stack([m.sum(axis=1) for m in (self.q, self.kv, self.o)], axis=1)
+        return np.stack([m.sum(axis=1) for m in (self.q, self.kv_both, self.o)], axis=1)
 
     def link_bytes(self, node_of_worker: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(intra [W], inter [W]): per worker and link class, max(bytes sent, bytes received)."""
         node = np.asarray(node_of_worker)
-        total = self.q + self.kv + self.o
+        total = self.q + self.kv_both + self.o
         same = node[:, None] == node[None, :]
         out = []
         for mask in (same, ~same):
@@ -78,6 +87,25 @@ class PlanTraffic:
         seconds = model.comm_seconds(*self.phase_link_bytes(node_of_worker))
         return seconds[:, 0], seconds[:, 1]
 
+    def relay_timing(self, node_of_worker: np.ndarray, model):
+        """``plan.timing.RelayTiming`` of the relay hop (None without one): per K/V-sending chunk, the link
+        seconds of max(bytes sent, received) per link class (its share of the relay bytes, as the KV route's)."""
+        from .timing import RelayTiming
+
+        if self.relay is None:
+            return None
+        node = np.asarray(node_of_worker)
+        same = node[:, None] == node[None, :]
+        sends = self.heads.kv_send_chunks().astype(np.float64)
+        share = sends / sends.sum()  # [M]
+        per_class = []
+        for mask in (same, ~same):
+            part = np.where(mask, self.relay, 0.0)
+            per_class.append(np.maximum(part.sum(axis=1), part.sum(axis=0))[:, None] * share[None, :])
+        moves = self.relay > 0
+        return RelayTiming(seconds=model.comm_seconds(*per_class), partners=moves | moves.T,
+                           receives=moves.any(axis=0)[:, None] & (sends > 0)[None, :])
+
 
 def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayout) -> np.ndarray:
     """float64 [n, 2, M]: max(bytes sent, bytes received) on one link class of every chunk's dispatch (index 0:
@@ -95,12 +123,15 @@ def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayou
 
 def plan_traffic(plan) -> PlanTraffic:
     """``PlanTraffic`` of an ``ExchangePlan`` built by ``build_exchange_plan``."""
-    return traffic_of_units(plan.peer_units, plan.heads)
+    return traffic_of_units(plan.peer_units, plan.heads, plan.relay_units)
 
 
-def traffic_of_units(peer_units, heads: HeadLayout) -> PlanTraffic:
-    """``PlanTraffic`` of (Q, KV) units per (src, dst) pair, int [2, W, W] (``ExchangePlan.peer_units``)."""
+def traffic_of_units(peer_units, heads: HeadLayout, relay_units=None) -> PlanTraffic:
+    """``PlanTraffic`` of (Q, KV) units per (src, dst) pair, int [2, W, W] (``ExchangePlan.peer_units``), and
+    the relay's arranged-KV rows per pair, int [W, W] (``ExchangePlan.relay_units``; None: no relay)."""
     units = np.asarray(peer_units, dtype=np.float64).copy()
     diag = np.arange(units.shape[1])
     units[:, diag, diag] = 0.0
-    return PlanTraffic(q=units[0] * heads.q_bytes_per_token(), kv=units[1] * heads.kv_bytes_per_token(), heads=heads)
+    relay = None if relay_units is None else np.asarray(relay_units, dtype=np.float64) * heads.kv_bytes_per_token()
+    return PlanTraffic(q=units[0] * heads.q_bytes_per_token(), kv=units[1] * heads.kv_bytes_per_token(), heads=heads,
+                       relay=relay)

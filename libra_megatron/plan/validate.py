@@ -3,10 +3,13 @@
 What is checked, independently of how ``build_exchange_plan`` computed the plan:
   shape      every RankPlan belongs to this pool (rank id, worker count, local tokens, heads, fingerprint)
   routes     split sums match index lengths, indices lie inside source/target buffers, forward routes place
-             (recv_index is a permutation of the arranged buffer), send_splits[r][d] == recv_splits[d][r]
+             (recv_index is a permutation of the arranged buffer; for K/V, the KV route's and the relay
+             route's together), send_splits[r][d] == recv_splits[d][r]; a pool has relay routes on every
+             rank or on none
   Q          every local unit (token, h) of every rank is sent exactly once, to the destination the
              assignment gives its tile; the inverse route returns every output to its home exactly once
-  KV         simulated with (sequence, position, KV class) ids: per destination no unit arrives twice
+  KV         simulated with (sequence, position, KV class) ids, the relay hop after the KV route (a relay
+             forwards only rows it holds by then): per destination no unit arrives twice
              (dedup over tiles, head shards of one class and chunks: each kv piece is sent by the first chunk
              that reads it, reused by the next ones and its dK/dV returned after the last one),
              every referenced group arrives as its rows [0, p) contiguous in doc order, p = the longest
@@ -17,8 +20,9 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
   bytes      plan totals equal Eq. 8 summed over the assignment: sum over referenced (g, r) of the rows of
              r's prefix of g it does not hold (``tiles.group_remote_bytes``) + sum over migrated tiles of
              V_Q + V_O; per-rank
-             ``bytes_sent`` equals the remote units its routes move; ``peer_units`` (what ``plan.traffic``
-             prices per link and Pipeliner phase) equals every rank's per-peer route splits
+             ``bytes_sent`` equals the remote units its routes move (K/V: both hops); ``peer_units`` and
+             ``relay_units`` (what ``plan.traffic`` prices per link and Pipeliner phase) equal every rank's
+             per-peer route splits
 Cost: O(total units of all ranks) -- meant for tests and debug runs, not for every step at scale.
 """
 from __future__ import annotations
@@ -38,16 +42,25 @@ def validate_plan(plan: ExchangePlan, tiles) -> None:
     _check_pool(plan, tiles)
     _check_kv_chunks(tiles.heads)
     ranks = list(plan.ranks)
+    relayed = _check_relay_presence(ranks)
     per_unit = {"q_route": tiles.head_split, "kv_route": tiles.num_kv_classes}
     for name, units_per_token in per_unit.items():
         routes = [getattr(rp, name) for rp in ranks]
         for w, rt in enumerate(routes):
-            _check_route(rt, w, name, ranks[w].local_tokens * units_per_token)
+            _check_route(rt, w, name, ranks[w].local_tokens * units_per_token,
+                         partial=relayed and name == "kv_route")
         _check_cross_rank(routes, name)
+    if relayed:
+        for w, rp in enumerate(ranks):
+            _check_route(rp.relay_route, w, "relay_route", rp.kv_route.target_len, partial=True)
+            _check_covers(rp, w)
+        _check_cross_rank([rp.relay_route for rp in ranks], "relay_route")
     unit_tile = _unit_tiles(tiles)
     q_ids, kv_ids = _unit_ids(tiles, tiles.head_split), _unit_ids(tiles, tiles.num_kv_classes)
     arranged_q = _check_q(plan, ranks, unit_tile, np.concatenate(q_ids))
     arranged_kv = _exchange([rp.kv_route for rp in ranks], kv_ids)
+    if relayed:
+        arranged_kv = _relay_exchange(ranks, arranged_kv)
     for w, rp in enumerate(ranks):
         _check_kv_dedup(arranged_kv[w], w)
         _check_varlen(rp, tiles, arranged_q[w], arranged_kv[w])
@@ -55,8 +68,50 @@ def validate_plan(plan: ExchangePlan, tiles) -> None:
     _check_peer_units(plan, ranks)
 
 
+def _check_relay_presence(ranks) -> bool:
+    """Whether the pool relays K/V: every rank has a relay route or none does (all call its collective)."""
+    has = [rp.relay_route is not None for rp in ranks]
+    if any(has) and not all(has):
+        raise PlanError(f"rank {has.index(not has[0])}: relay route present on some ranks only; every rank of a "
+                        f"relaying pool must call the relay exchange")
+    return bool(has and has[0])
+
+
+def _check_covers(rp, w: int) -> None:
+    """The KV route's and the relay route's receive rows place every arranged-KV row exactly once."""
+    rows = np.concatenate([rp.kv_route.recv_index, rp.relay_route.recv_index])
+    if rows.size != rp.kv_route.target_len or (np.bincount(rows, minlength=rp.kv_route.target_len) != 1).any():
+        raise PlanError(f"rank {w}: kv_route and relay_route receive rows are not a permutation of "
+                        f"range({rp.kv_route.target_len})")
+
+
+def _relay_exchange(ranks, arranged_kv):
+    """The relay hop on the simulated arranged K/V: a relay forwards rows it holds after the KV route."""
+    W = len(ranks)
+    for w, rp in enumerate(ranks):
+        held = arranged_kv[w][rp.relay_route.send_index]
+        if (held < 0).any():
+            raise PlanError(f"rank {w}: relay_route forwards arranged KV rows it has not received")
+    sent = [a[rp.relay_route.send_index] for rp, a in zip(ranks, arranged_kv)]
+    offs = [np.concatenate([[0], np.cumsum(rp.relay_route.send_splits)]) for rp in ranks]
+    out = []
+    for d, rp in enumerate(ranks):
+        recv = np.concatenate([sent[s][offs[s][d]: offs[s][d + 1]] for s in range(W)])
+        full = arranged_kv[d].copy()
+        full[rp.relay_route.recv_index] = recv
+        out.append(full)
+    return out
+
+
 def _check_peer_units(plan: ExchangePlan, ranks) -> None:
-    """``plan.peer_units[kind][w]`` must be rank w's send splits of the Q (kind 0) and KV (kind 1) routes."""
+    """``plan.peer_units[kind][w]`` must be rank w's send splits of the Q (kind 0) and KV (kind 1) routes, and
+    ``plan.relay_units[w]`` its relay route's (with the self pair 0)."""
+    if plan.relay_units is not None:
+        for w, rp in enumerate(ranks):
+            splits = rp.relay_route.send_splits if rp.relay_route is not None else None
+            if splits is None or not np.array_equal(plan.relay_units[w], splits):
+                raise PlanError(f"rank {w}: relay_units {plan.relay_units[w].tolist()} != its relay send_splits "
+                                f"{None if splits is None else splits.tolist()}")
     if plan.peer_units is None:
         return
     for kind, name in enumerate(("q_route", "kv_route")):
@@ -85,7 +140,9 @@ def _check_pool(plan: ExchangePlan, tiles) -> None:
             raise PlanError(f"rank {w}: (rank, num_workers, local_tokens, heads, fingerprint) = {got}, expected {want}")
 
 
-def _check_route(rt: Route, w: int, name: str, source_len: int) -> None:
+def _check_route(rt: Route, w: int, name: str, source_len: int, partial: bool = False) -> None:
+    """One forward route; ``partial``: its receive rows are distinct but need not cover the target (the KV
+    and relay routes of a relaying pool cover it together, ``_check_covers``)."""
     W = len(rt.send_splits)
     where = f"rank {w}: {name}"
     if rt.accumulate:
@@ -101,7 +158,10 @@ def _check_route(rt: Route, w: int, name: str, source_len: int) -> None:
         )
     if rt.send_index.size and (rt.send_index.min() < 0 or rt.send_index.max() >= rt.source_len):
         raise PlanError(f"{where}: send_index outside [0, {rt.source_len})")
-    if rt.recv_index.size != rt.target_len or (np.bincount(rt.recv_index, minlength=rt.target_len) != 1).any():
+    if rt.recv_index.size and (rt.recv_index.min() < 0 or rt.recv_index.max() >= rt.target_len):
+        raise PlanError(f"{where}: recv_index outside [0, {rt.target_len})")
+    hits = np.bincount(rt.recv_index, minlength=rt.target_len)
+    if (hits > 1).any() or (not partial and (hits != 1).any()):
         raise PlanError(f"{where}: recv_index is not a permutation of range({rt.target_len})")
 
 
@@ -296,7 +356,9 @@ def _check_bytes(plan: ExchangePlan, tiles, ranks) -> None:
     per_unit = np.array([hd.q_bytes_per_token(), hd.kv_bytes_per_token(), hd.o_bytes_per_token()])
     for w, rp in enumerate(ranks):
         o_units = rp.q_route.recv_splits.sum() - rp.q_route.recv_splits[w]
-        units = np.array([rp.q_route.remote_units_sent(w), rp.kv_route.remote_units_sent(w), o_units])
+        kv_units = rp.kv_route.remote_units_sent(w)
+        kv_units += 0 if rp.relay_route is None else rp.relay_route.remote_units_sent(w)
+        units = np.array([rp.q_route.remote_units_sent(w), kv_units, o_units])
         if tuple(int(x) for x in units * per_unit) != tuple(rp.bytes_sent):
             raise PlanError(
                 f"rank {w}: bytes_sent {rp.bytes_sent} != remote units {units.tolist()} * {per_unit.tolist()}"

@@ -21,6 +21,13 @@ chosen by ``plan.timing.best_lead``). In between, chunk by chunk: wait its dispa
 chunk whose local entries ran after its return left sent uninitialised self rows; its self segment is copied
 into the output again once every return was placed. Receive buffers of all M dispatches can be alive at once
 (each freed when placed): at most the arranged Q and K|V of one layer, which ARRANGED mode keeps anyway.
+Relay (a pool whose plan relays K/V between nodes, ``plan.exchange``): when a K/V-sending chunk's dispatch has
+arrived, every rank forwards the relayed rows it holds from its arranged K|V along the relay route, on the
+relay group (a second communicator over the pool's ranks, so the relay does not queue behind the other
+chunks' dispatches); a rank that receives relayed rows places them before its remote entries, a rank that
+only sends waits for its sends at the end of the forward. In backward the relayed rows' dK|dV go back to
+the relay (added into its arranged dK|dV, in fp32) right before the relay returns dK|dV home; in REFETCH
+mode the re-sent K|V is relayed again.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
 ``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
 to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
@@ -35,7 +42,8 @@ in fp32 (one rounding of a larger partial sum would double the error; the fp32 w
 the per-chunk returns it replaces) -- and the home adds every destination's fragment into an fp32 local
 buffer, cast once at the end. O and dQ rows have exactly one source, so they are never summed.
 
-Per layer (a verified call key): the exchange's all_to_all_single calls and nothing else -- no other
+Per layer (a verified call key): the exchange's all_to_all_single calls (with a relay, one more per K/V-sending
+chunk in forward and per dK/dV-returning chunk in backward, on the relay group) and nothing else -- no other
 collective, no host read of a device value. The first call with a new key verifies it (``checks``).
 """
 from __future__ import annotations
@@ -89,6 +97,7 @@ class _Ctx:
     stats: Optional[ExchangeStats]
     acc_dtype: torch.dtype  # dK|dV sums (fp32 for fp16/bf16 inputs)
     deterministic: bool = False  # the kernels' deterministic backward (Megatron-LM's --deterministic-mode)
+    relay_group: object = None  # the relay's communicator (a twin of ``group``); None: ``group``
 
     def kernel(self, fn, *args):
         if self.stats is None:
@@ -124,6 +133,26 @@ def _return(cx: _Ctx, arranged, m: int, which: str, kind: str, wire_dtype: torch
     """Send arranged rows home along an inverse route, cast to ``wire_dtype`` (once, after the gather)."""
     idx = getattr(cx.tables.chunks[m], which)
     return start_exchange(arranged.index_select(0, idx.send_rows).to(wire_dtype), idx, cx.group, cx.stats, kind)
+
+
+def _relay(cx: _Ctx, kv_arr, kind: str = "kv"):
+    """Forward the relayed rows of an arranged K|V (the chunk's dispatch has been placed); None without a relay.
+    Returns the pending exchange: ``into(kv_arr)`` places what this rank receives."""
+    relay = cx.tables.relay
+    if relay is None:
+        return None
+    group = cx.group if cx.relay_group is None else cx.relay_group
+    return start_exchange(kv_arr.index_select(0, relay.fwd.send_rows), relay.fwd, group, cx.stats, kind)
+
+
+def _relay_back(cx: _Ctx, dkv_arr) -> None:
+    """Backward of the relay: send the dK|dV of relayed rows to their relay, which adds them into its arranged
+    dK|dV (``cx.acc_dtype``, before it returns dK|dV home)."""
+    relay = cx.tables.relay
+    if relay is None:
+        return
+    group = cx.group if cx.relay_group is None else cx.relay_group
+    start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, group, cx.stats, "dkv").into(dkv_arr)
 
 
 def _packed_kv(cx: _Ctx, kv_arr):
@@ -207,8 +236,9 @@ class _Chunk:
             _merge_heads(self.cx, self.o_arr, self.lse, self.cx.tables.heads, *self.head)
             self.head = None
 
-    def arrive(self) -> None:
-        """Wait for the dispatch and place what other ranks sent."""
+    def arrive(self, sends_only: list) -> None:
+        """Wait for the dispatch and place what other ranks sent; then the relay of the chunk's K|V (placed
+        here when this rank receives relayed rows, else appended to ``sends_only`` to be waited at the end)."""
         if self.split:
             self.q_pend.rest_placed(self.q_arr)
             if self.kv_pend is not None:
@@ -216,6 +246,12 @@ class _Chunk:
         else:
             self.q_arr = self.q_pend.placed()
             self.kv_arr = self.kv_pend.placed() if self.kv_pend is not None else None
+        relayed = _relay(self.cx, self.kv_arr) if self.kv_pend is not None else None
+        if relayed is not None:
+            if self.cx.tables.relay.receives:
+                relayed.into(self.kv_arr)
+            else:
+                sends_only.append(relayed)
 
     def remote(self, kv_arr) -> None:
         """Entries that needed the dispatch (all of them without a split)."""
@@ -258,9 +294,9 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     lead = lead if split else 0
     for m in range(lead):
         chunks[m].local(_kv_source(chunks, m))
-    returns = []
+    returns, relay_sends = [], []
     for m, chunk in enumerate(chunks):
-        chunk.arrive()
+        chunk.arrive(relay_sends)
         chunk.remote(_kv_source(chunks, m))
         o_send = chunk.o_arr if chunk.o_arr is not None else chunk.q_arr  # no entry computed yet: self rows only
         returns.append(_return(cx, o_send, m, "q_inv", "o", q.dtype))
@@ -268,6 +304,8 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
         chunks[m].local(_kv_source(chunks, m))
     for pending in returns:
         pending.into(out_view)
+    for pending in relay_sends:
+        pending.wait()
     if split:
         for m in range(lead, M):
             chunks[m].write_self(out_view)
@@ -313,7 +351,11 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     dK|dV keeps accumulating until the piece's last chunk."""
     if "q" in pending:
         q_arr, o_arr = pending["q"].placed(), pending["o"].placed()
-        kv_arr = pending["kv"].placed() if "kv" in pending else kv_arr
+        if "kv" in pending:
+            kv_arr = pending["kv"].placed()
+            relayed = _relay(cx, kv_arr, "kv_bwd")
+            if relayed is not None:
+                relayed.into(kv_arr)
         (lse,) = saved_m
     else:
         q_arr, kv_arr, o_arr, lse = saved_m
@@ -347,6 +389,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
         returning = [(_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view)]
         if returns[m]:
+            _relay_back(cx, dkv_arr)  # relayed rows' dK|dV into the relay's sums before they go home
             returning.append((_return(cx, dkv_arr, m, "kv_inv", "dkv", dkv_wire), dkv_local))
             kv_arr = dkv_arr = None
         for pending, target in outgoing:
@@ -398,7 +441,7 @@ class _LibraAttnFunction(torch.autograd.Function):
 def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, group, *,
                     softmax_scale: Optional[float] = None, backend=KernelBackendName.AUTO, qkv_format: str = "thd",
                     save_mode=SaveMode.ARRANGED, stats: Optional[ExchangeStats] = None, verify="auto",
-                    check_group=None, deterministic: bool = False) -> torch.Tensor:
+                    check_group=None, deterministic: bool = False, relay_group=None) -> torch.Tensor:
     """Causal attention over the packed sequences of a sequence pool, executed from ``plan``.
 
     Arguments:
@@ -418,6 +461,9 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
         check_group: group the verification gathers over (a gloo twin of ``group`` avoids a device read).
         deterministic: the kernels' deterministic backward (``KernelBackend.bwd``; Megatron-LM's
             --deterministic-mode).
+        relay_group: a second process group over the pool's ranks for a relaying plan's relay exchanges (so
+            they run beside the dispatches, as the simulator prices it); None: ``group`` (same results, the
+            relay queues behind the dispatches).
     Returns:
         out: same shape, dtype and device as q -- attention output for exactly this rank's local tokens.
     Raises:
@@ -431,14 +477,14 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
             raise ValueError(f"qkv_format='sbhd' needs (t, 1, h, d) with b=1, got q of shape {tuple(q.shape)}")
         out = libra_attn_func(q.squeeze(1), k.squeeze(1), v.squeeze(1), plan, group, softmax_scale=softmax_scale,
                               backend=backend, save_mode=save_mode, stats=stats, verify=verify,
-                              check_group=check_group, deterministic=deterministic)
+                              check_group=check_group, deterministic=deterministic, relay_group=relay_group)
         return out.unsqueeze(1)
     mode = _save_mode(save_mode)
     ensure_plan_verified(q, k, v, plan, group, save_mode=mode.value, verify=verify, check_group=check_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     cx = _Ctx(plan=plan, tables=device_tables(plan, rank_tables, q.device), group=group, scale=scale,
               backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]), stats=stats,
-              acc_dtype=_accumulation_dtype(q.dtype), deterministic=bool(deterministic))
+              acc_dtype=_accumulation_dtype(q.dtype), deterministic=bool(deterministic), relay_group=relay_group)
     return _apply(q, k, v, cx, mode)
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..plan.rank_tables import RankTables, RouteSplits
 from .kernels import VarlenBatch, host_to_device
 
-__all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "ChunkRoutes", "DeviceTables", "device_tables",
+__all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "ChunkRoutes", "RelayRoutes", "DeviceTables", "device_tables",
            "expand_runs", "set_table_cache_size", "start_exchange", "upload_tables"]
 
 
@@ -86,12 +86,18 @@ class RouteIndex:
     splits     send/recv rows per rank (Python ints) and rows sent to other ranks
     accumulate the inverse K|V route adds (several destinations and chunks feed one local row); the inverse Q
                route copies (each local row has one source); forward routes place
+    target_rows rows of a forward route's target buffer when its receive rows fill only part of it (the KV
+               route of a relaying pool: the relay route places the rest); None: every row is received
     """
 
     send_rows: torch.Tensor
     recv_rows: torch.Tensor
     splits: RouteSplits
     accumulate: bool
+    target_rows: Optional[int] = None
+
+    def num_target_rows(self) -> int:
+        return sum(self.splits.recv) if self.target_rows is None else self.target_rows
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,19 @@ class ChunkRoutes:
     kv_fwd: RouteIndex  # local K/V chunk views -> arranged K|V
     q_inv: RouteIndex  # arranged -> local chunk view (O, dQ)
     kv_inv: RouteIndex  # arranged K|V -> local K/V chunk views (dK|dV, accumulating)
+
+
+@dataclass(frozen=True)
+class RelayRoutes:
+    """The relay route on the device (``plan.exchange``, "Relay"); the same rows for every chunk."""
+
+    fwd: RouteIndex  # arranged K|V rows this rank holds -> the arranged K|V of its node's other destinations
+    inv: RouteIndex  # their dK|dV of those rows -> added into this rank's arranged dK|dV
+
+    @property
+    def receives(self) -> bool:
+        """This rank gets relayed rows (so it waits for the relay before its remote entries)."""
+        return sum(self.fwd.splits.recv) > 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,6 +141,7 @@ class DeviceTables:
     local: Optional[DeviceEntrySet] = None  # local-first split (``RankTables.local``); None: no local entry
     remote: Optional[DeviceEntrySet] = None
     heads: Optional[DeviceEntrySet] = None  # keys before split entries' self-sourced tails (no mask)
+    relay: Optional[RelayRoutes] = None  # None: the pool has no relay
 
 
 def expand_runs(start: torch.Tensor, count: torch.Tensor, stride: int, total: int, dtype: torch.dtype) -> torch.Tensor:
@@ -170,12 +190,18 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
     """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
     rows, offsets = _expand_all(tables, device)
     q_arr, kv_arr = rows[id(tables.q_arranged)], rows[id(tables.kv_arranged)]
+    relay = None
+    if tables.relay_send is not None:
+        out, into = rows[id(tables.relay_send)], rows[id(tables.relay_recv)]
+        relay = RelayRoutes(fwd=RouteIndex(out, into, tables.relay_splits, accumulate=False),
+                            inv=RouteIndex(into, out, tables.relay_back_splits, accumulate=True))
+    kv_target = None if relay is None else tables.kv_target_len
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
         q_rows, kv_rows = rows[id(q_send)], rows[id(kv_send)]
         chunks.append(ChunkRoutes(
             q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
-            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False),
+            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False, target_rows=kv_target),
             q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=False),  # one source per row
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
@@ -185,7 +211,7 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
     local, remote, heads = (sets + [None, None, None])[:3] if sets else (None, None, None)
     return DeviceTables(chunks=tuple(chunks), batch=_varlen_batch(offsets[0], offsets[1], tables),
                         k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote,
-                        heads=heads)
+                        heads=heads, relay=relay)
 
 
 def _bounds(host):
@@ -274,9 +300,10 @@ class PendingExchange:
         return received
 
     def placed(self) -> torch.Tensor:
-        """Wait, then return the arranged buffer of a forward route (every row written exactly once)."""
+        """Wait, then return the arranged buffer of a forward route (every received row written once; with
+        ``target_rows``, the other rows are left for the relay route)."""
         received = self._take()
-        target = torch.empty_like(received)
+        target = received.new_empty((self.index.num_target_rows(),) + tuple(received.shape[1:]))
         return target.index_put_((self.index.recv_rows,), received)
 
     def self_placed(self) -> torch.Tensor:
@@ -284,7 +311,7 @@ class PendingExchange:
         (the rows this rank sends itself are already here). ``rest_placed`` fills the other rows."""
         sp = self.index.splits
         send = self._send if self._send is not None else self.received  # a one-rank group kept only send
-        target = send.new_empty((sum(sp.recv),) + tuple(send.shape[1:]))
+        target = send.new_empty((self.index.num_target_rows(),) + tuple(send.shape[1:]))
         rows = self.index.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
         return target.index_put_((rows,), send[sp.self_send_offset : sp.self_send_offset + sp.self_rows])
 

@@ -139,6 +139,9 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-local-first", action="store_true",
                    help="price the plans without the Pipeliner's local split (every entry after its chunk's "
                         "dispatch arrived) instead of the runtime's local-first schedule, for comparison")
+    g.add_argument("--no-kv-relay", action="store_true",
+                   help="price plans without the K/V relay (every destination fetches from the home worker; "
+                        "the runtime's kv_relay: false)")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 
@@ -193,7 +196,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
     cost = CostModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
                      inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
                      num_chunks=args.num_chunks[0], calibration=_calibration(args.calibration),
-                     local_first=not args.no_local_first)
+                     local_first=not args.no_local_first, kv_relay=not args.no_kv_relay)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,

@@ -111,6 +111,7 @@ class CostModel:
     num_chunks: int = 4
     calibration: Optional[CalibrationTable] = None
     local_first: bool = True  # the runtime's schedule; False prices the previous one (--no-local-first)
+    kv_relay: bool = True  # plans relay K/V through one destination per node (--no-kv-relay: direct fetches)
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
@@ -141,17 +142,20 @@ class CostModel:
         """Per worker: max(intra / intra bw, inter / inter bw); bytes already max(sent, received)."""
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
-    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None) -> np.ndarray:
+    def worker_seconds(self, local_compute, remote_compute, dispatch_seconds, return_seconds, lead=None,
+                       relay=None) -> np.ndarray:
         """compute + exposed comm per worker: the Pipeliner timeline (``plan.timing.pipeline_seconds``) over
         the worker's local / remote compute seconds and its per-chunk dispatch / return link seconds [W, M];
-        ``lead`` = the plan's per-rank leads (None: each worker's best, what a plan built under this model has)."""
+        ``lead`` = the plan's per-rank leads (None: each worker's best, what a plan built under this model has);
+        ``relay`` = the plan's relay hop (``PlanTraffic.relay_timing``), None without one."""
         return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first,
-                                lead)[0]
+                                lead, relay)[0]
 
     def step_time_model(self, first_gpu: int) -> StepTimeModel:
         """The constant-rate model ``plan.timeaware`` places by (the calibration table, if any, is not used)."""
         return StepTimeModel(self.head_dim, self.attn_tflops, self.intra_node_gbps, self.inter_node_gbps,
-                             self.gpus_per_node, int(first_gpu), local_first=self.local_first)
+                             self.gpus_per_node, int(first_gpu), local_first=self.local_first,
+                             kv_relay=self.kv_relay)
 
     def assumptions(self) -> Dict[str, object]:
         """JSON-ready record of what the time estimates assumed."""
@@ -161,6 +165,7 @@ class CostModel:
             "num_chunks": self.num_chunks, "head_dim": self.head_dim,
             "flops_per_pair_head": 4 * self.head_dim,
             "local_first": self.local_first,
+            "kv_relay": self.kv_relay,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
                          "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
                          "stream; "
@@ -168,7 +173,10 @@ class CostModel:
                             "returns travel (k = the plan's per-rank lead), " if self.local_first else
                             "no local split, ")
                          + "each chunk's remote entries after its dispatch; D_m = Q/M + KV/F on K/V-sending "
-                         "chunks, R_m = O/M, link seconds per phase",
+                         "chunks, R_m = O/M, link seconds per phase"
+                         + ("; K/V relayed once per (home run, destination node): F_m on a second link, issued by "
+                            "each rank after D_m, moving a pair's rows once both issued it; receivers wait F_m "
+                            "before their remote entries" if self.kv_relay else "; no K/V relay"),
         }
         out["calibration"] = None if self.calibration is None else {
             "device": self.calibration.device, "heads": list(self.calibration.heads)}

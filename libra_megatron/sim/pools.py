@@ -122,7 +122,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
     assert cost.num_chunks == tiles.heads.num_chunks
     reuse = placed.exchange is not None and placed.exchange.heads == tiles.heads  # the placer's plan, same M
-    plan = placed.exchange if reuse else build_exchange_plan(tiles, placed.assignment)
+    timing = cost.step_time_model(first_gpu) if cost.kv_relay else None  # the relay follows the pool's nodes
+    plan = placed.exchange if reuse else build_exchange_plan(tiles, placed.assignment, timing)
     traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
@@ -131,7 +132,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, fi
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, local_compute_seconds=local,
         comm_seconds=dispatch.sum(axis=1) + ret.sum(axis=1),
-        seconds=cost.worker_seconds(local, compute - local, dispatch, ret, plan.local_lead),
+        seconds=cost.worker_seconds(local, compute - local, dispatch, ret, plan.local_lead,
+                                    traffic.relay_timing(nodes, cost)),
         bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
         num_fallback=int(placed.num_fallback),
     )

@@ -6,7 +6,9 @@ Shape legend (per rank r): t = local tokens, hq/hkv = query/kv heads, d = head d
                  chunk views via ``q_rows`` (Q/O/dQ) and ``kv_rows`` (K/V/dK/dV).
 Every collective is simulated by slicing each source's send buffer with its ``send_splits`` -- the same
 (send_index, send_splits, recv_splits, recv_index) contract an ``all_to_all_single`` would execute.
-Backward-direction moves use ``Route.inverse()`` (accumulating), exactly as the runtime does.
+Backward-direction moves use ``Route.inverse()`` (accumulating), exactly as the runtime does. A relaying plan's
+relay route runs after the KV route on the arranged K/V (``relay_numpy``), and its inverse adds the relayed
+rows' gradients into the relay's arranged ones before the KV route's inverse (``return_kv_grads_numpy``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from ..plan.exchange import ExchangePlan, Route, kv_rows, q_rows
 
 __all__ = [
-    "exchange_numpy", "run_routes_numpy", "return_outputs_numpy", "return_kv_grads_numpy", "attention_numpy",
+    "exchange_numpy", "relay_numpy", "run_routes_numpy", "return_outputs_numpy", "return_kv_grads_numpy", "attention_numpy",
     "scatter_to_workers", "gather_from_workers",
 ]
 
@@ -53,8 +55,23 @@ def run_routes_numpy(plan: ExchangePlan, local_q_units: list, local_kv_units: li
     """
     ranks = list(plan.ranks)
     arranged_q = exchange_numpy([rp.q_route for rp in ranks], local_q_units)
-    arranged_kv = exchange_numpy([rp.kv_route for rp in ranks], local_kv_units)
+    arranged_kv = relay_numpy(plan, exchange_numpy([rp.kv_route for rp in ranks], local_kv_units))
     return arranged_q, arranged_kv
+
+
+def relay_numpy(plan: ExchangePlan, arranged_kv: list) -> list:
+    """The relay hop on arranged K/V buffers (unchanged without a relay): relayed rows are placed from the
+    relay's arranged buffer into the rows the KV route left for them."""
+    ranks = list(plan.ranks)
+    if ranks[0].relay_route is None:
+        return arranged_kv
+    relayed = exchange_numpy([rp.relay_route for rp in ranks], arranged_kv)
+    out = []
+    for rp, a, got in zip(ranks, arranged_kv, relayed):
+        a = np.array(a)
+        a[rp.relay_route.recv_index] = got[rp.relay_route.recv_index]
+        out.append(a)
+    return out
 
 
 def return_outputs_numpy(plan: ExchangePlan, arranged_o: list) -> list:
@@ -63,8 +80,13 @@ def return_outputs_numpy(plan: ExchangePlan, arranged_o: list) -> list:
 
 
 def return_kv_grads_numpy(plan: ExchangePlan, arranged_dkv: list) -> list:
-    """dK/dV return: arranged KV rows -> local units, summed over destinations (``kv_route.inverse()``)."""
-    return exchange_numpy([rp.kv_route.inverse() for rp in plan.ranks], arranged_dkv)
+    """dK/dV return: arranged KV rows -> local units, summed over destinations (``kv_route.inverse()``); with a
+    relay, the relayed rows' gradients are first added into the relay's arranged rows (``relay_route.inverse()``)."""
+    ranks = list(plan.ranks)
+    if ranks[0].relay_route is not None:
+        back = exchange_numpy([rp.relay_route.inverse() for rp in ranks], arranged_dkv)
+        arranged_dkv = [np.asarray(a) + b for a, b in zip(arranged_dkv, back)]
+    return exchange_numpy([rp.kv_route.inverse() for rp in ranks], arranged_dkv)
 
 
 def _varlen_attention(rp, q_arr: np.ndarray, k_arr: np.ndarray, v_arr: np.ndarray, scale: float):
@@ -121,8 +143,8 @@ def attention_numpy(plan: ExchangePlan, q_local: list, k_local: list, v_local: l
         qr, kr = q_rows(units, heads, m), kv_rows(kv_units, heads, m)
         aq = exchange_numpy([rp.q_route for rp in ranks], [q[qr] for q in q_view])
         if sends[m]:  # K/V once per step: later chunks reading the same kv piece reuse these rows
-            ak = exchange_numpy([rp.kv_route for rp in ranks], [k[kr] for k in k_view])
-            av = exchange_numpy([rp.kv_route for rp in ranks], [v[kr] for v in v_view])
+            ak = relay_numpy(plan, exchange_numpy([rp.kv_route for rp in ranks], [k[kr] for k in k_view]))
+            av = relay_numpy(plan, exchange_numpy([rp.kv_route for rp in ranks], [v[kr] for v in v_view]))
         ao = [_varlen_attention(rp, aq[r], ak[r], av[r], scale) for r, rp in enumerate(ranks)]
         back = return_outputs_numpy(plan, ao)
         for r in range(len(ranks)):

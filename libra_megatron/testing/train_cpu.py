@@ -81,6 +81,9 @@ class RunConfig:
     trace: str = DEFAULT_TRACE
     max_files: Optional[int] = 400  # stdlib: first N .py files (None = all)
     max_docs: Optional[int] = 6000  # trace: first N documents
+    kv_relay: str = "off"  # Libra runs: the K/V relay between nodes (off | auto)
+    gpus_per_node: int = 0  # > 0: the planner prices the pool as ranks // gpus_per_node nodes (0: one node)
+    inter_node_gbps: float = 50.0  # the planner's inter-node rate when gpus_per_node > 0
 
     @property
     def world_size(self) -> int:
@@ -99,7 +102,7 @@ class RunConfig:
             num_chunks=self.num_chunks, tau=self.tau,
             sequence_placement=SequencePlacement.SYNC if on else SequencePlacement.CONTIGUOUS,
             tile_placement=TilePlacement.ALG2 if on else TilePlacement.HOME, kernel_backend="torch",
-            token_layout=self.token_layout,
+            token_layout=self.token_layout, kv_relay=self.kv_relay if on else "off",
         )
         return LibraConfig.from_flags(values, _CONFIG_FLAGS).validate(
             num_attention_heads=self.num_heads, num_query_groups=self.num_kv_heads, data_parallel_size=self.dp,
@@ -244,7 +247,7 @@ class _Rank:
         apply_megatron_cpu_shims()
         ps.initialize_model_parallel(1, 1, context_parallel_size=cfg.cp)
         self.cfg, self.lib, self.remap = cfg, cfg.libra_config(), torch.from_numpy(data.remap)
-        groups.initialize_pool_groups(self.lib.pool_size)
+        groups.initialize_pool_groups(self.lib.pool_size, relay=self.lib.kv_relay.value == "auto")
         self.dp_rank, self.cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
         dataset = _open_dataset(cfg, data.info)
         self.sampler = LibraGlobalBatchSampler(
@@ -257,7 +260,8 @@ class _Rank:
                            self.lib.num_chunks, elem_bytes=4)
         self.planner = None
         if cfg.libra or cfg.cp > 1:  # plans also run plain CP attention in the CP > 1 baseline
-            self.planner = BackgroundPlanner(self.lib, layout, heads, worker=groups.get_pool_rank())
+            self.planner = BackgroundPlanner(self.lib, layout, heads, worker=groups.get_pool_rank(),
+                                             timing=_pool_nodes_timing(cfg, heads.head_dim))
             self.planner.warm_up()
         self.planned_keys: set = set()  # pools this rank has used before (a repeat is served from the cache)
         self.model = _build_model(cfg)
@@ -378,6 +382,18 @@ def _train_one(cfg: RunConfig, data: PreparedData) -> List[dict]:
         state.close()
 
 
+def _pool_nodes_timing(cfg: RunConfig, head_dim: int):
+    """The planner's time model with the pool's ranks on nodes of ``cfg.gpus_per_node`` (None: one node)."""
+    if cfg.gpus_per_node < 1:
+        return None
+    from ..megatron import groups
+    from ..plan.timing import StepTimeModel
+
+    nodes = tuple(r // cfg.gpus_per_node for r in groups.get_pool_ranks())
+    return StepTimeModel(head_dim, gpus_per_node=cfg.gpus_per_node, worker_nodes=nodes,
+                         inter_node_gbps=cfg.inter_node_gbps)
+
+
 def _pool_metrics(cfg: RunConfig, planned: list, seen: set) -> Dict[str, object]:
     """This step's pools: intra-pool max/mean at the Q-homes vs placed (worst pool), attention bytes moved in
     the step, and planner latency of the pools planned for this step.
@@ -409,6 +425,7 @@ def _pool_metrics(cfg: RunConfig, planned: list, seen: set) -> Dict[str, object]
     workers = max(1, cfg.libra_config().pool_size * cfg.cp)
     out["bytes_per_step"] = 2 * cfg.num_layers * float(moved[0]) / workers
     out["pools_reused"] = int(round(float(moved[1]) / workers))
+    out["relayed_plans"] = sum(p.pool_plan.exchange.relay_units is not None for p in planned)  # this rank's
     out["plan_latencies_ms"] = [1e3 * x for x in fresh]
     return out
 

@@ -30,6 +30,8 @@ class UnitTables:
     k_gather: np.ndarray
     cu_q: np.ndarray
     cu_k: np.ndarray
+    relay_send: np.ndarray = None  # arranged-KV rows forwarded / received along the relay route (None: no relay)
+    relay_recv: np.ndarray = None
 
 
 def unit_tables(plan: RankPlan) -> UnitTables:
@@ -43,6 +45,8 @@ def unit_tables(plan: RankPlan) -> UnitTables:
         k_gather=np.concatenate(k_gather) if k_gather else np.zeros(0, dtype=np.int64),
         cu_q=np.asarray(plan.cu_seqlens_q, dtype=np.int64),
         cu_k=np.concatenate([[0], np.cumsum(plan.seq_k_len, dtype=np.int64)]),
+        relay_send=None if plan.relay_route is None else np.asarray(plan.relay_route.send_index, dtype=np.int64),
+        relay_recv=None if plan.relay_route is None else np.asarray(plan.relay_route.recv_index, dtype=np.int64),
     )
 
 

@@ -187,10 +187,12 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
                  micro_batch_size=_flag(argv, "--micro-batch-size"),
                  global_batch_size=_flag(argv, "--global-batch-size"))
     # the simulator's choices (docs/launcher.md "Knob choice", docs/exchange.md): P=8 and M=4 as in the paper,
-    # adaptive tiles, prefix KV fetch, dense placement; H=4, B=2048, tau=0.03 at 256K; H=2, B=4096, tau=0.01 at 1M
+    # adaptive tiles, prefix KV fetch, dense placement, K/V relay; H=4, B=2048, tau=0.03 at 256K; H=2, B=4096,
+    # tau=0.01 at 1M
     knobs = (4, 2048, 0.03) if config.stem.endswith("256k") else (2, 4096, 0.01)
     assert (cfg.pool_size, cfg.num_chunks, cfg.head_split, cfg.block_size, cfg.tau) == (8, 4) + knobs
     assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
+    assert cfg.kv_relay.value == "auto"
 
 
 def test_libra_yaml_files_hold_only_known_keys():

@@ -4,7 +4,8 @@ megatron-core GPTModel on the same GPTDataset windows.
 
 One 4-rank job trains four configs in turn; the reference is DP=4, CP=1 without Libra (local SDPA per
 sample, no exchange), an independent path for every Libra config -- including DP=2 x CP=2, which sees the
-same GBS = 8 windows. Loss is the per-token average over the global batch, so reordering cannot change it.
+same GBS = 8 windows, and P=4 with the ranks priced as two nodes of two and the K/V relay on (its relay
+exchanges on the groups module's twin of the pool group). Loss is the per-token average over the global batch, so reordering cannot change it.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ BASE = RunConfig(dp=4, cp=1, pool_size=2, steps=STEPS, seq_len=256, grad_accum=2
                  tokens="synthetic", max_docs=3000, vocab=512, head_split=2, num_chunks=2, block_size=32)
 LIBRA = {
     "dp4_p2": replace(BASE, libra=True),
-    "dp4_p4": replace(BASE, libra=True, pool_size=4),
+    "dp4_p4_relay": replace(BASE, libra=True, pool_size=4, kv_relay="auto", gpus_per_node=2, inter_node_gbps=0.001),
     "dp2_cp2_p2": replace(BASE, libra=True, dp=2, cp=2, grad_accum=4),
 }
 
@@ -48,6 +49,11 @@ def test_every_run_averages_over_all_loss_tokens_of_the_global_batch(runs):
             assert step["loss_tokens"] == BASE.global_batch * BASE.seq_len, name
         losses = [r[0]["loss"] for r in per_rank]
         assert len(set(losses)) == 1, f"{name}: ranks disagree on the global loss {losses}"
+
+
+def test_the_relay_config_really_relays(runs):
+    assert sum(s["relayed_plans"] for s in runs["dp4_p4_relay"][0]) > 0
+    assert all(s["relayed_plans"] == 0 for name in ("dp4_p2", "dp2_cp2_p2") for s in runs[name][0])
 
 
 def test_libra_really_reorders_and_migrates(runs):

@@ -79,14 +79,21 @@ def _pool_groups_on_gloo(rank, world_size, shapes):
         except ValueError as err:
             bad_pool_message = str(err)
         assert not groups.pool_groups_initialized()
-        groups.initialize_pool_groups(pool)
+        relay = tp == 1  # the second shape makes no relay twin
+        groups.initialize_pool_groups(pool, relay=relay)
         value = torch.tensor([float(rank)])
         dist.all_reduce(value, group=groups.get_pool_group())
+        pool_sum = float(value.item())
+        twin = groups.get_pool_relay_group()
+        twin_ranks = dist.get_process_group_ranks(twin) if twin is not None else None
+        if twin is not None:
+            dist.all_reduce(value, group=twin)  # a working group over the same ranks
         results.append(dict(
             ranks=groups.get_pool_ranks(), pool_rank=groups.get_pool_rank(), index=groups.get_pool_index(),
-            workers=groups.get_pool_size_workers(), pool_sum=float(value.item()), bad=bad_pool_message,
+            workers=groups.get_pool_size_workers(), pool_sum=pool_sum, bad=bad_pool_message,
             dp_rank=ps.get_data_parallel_rank(), cp_rank=ps.get_context_parallel_rank(),
-            tp_rank=ps.get_tensor_model_parallel_rank(), dp=dp,
+            tp_rank=ps.get_tensor_model_parallel_rank(), dp=dp, relay=relay, twin_ranks=twin_ranks,
+            twin_sum=float(value.item()),
         ))
         groups.destroy_pool_groups()
         ps.destroy_model_parallel()
@@ -110,6 +117,10 @@ def test_pool_groups_on_gloo_match_parallel_state_and_all_reduce_within_pool():
             assert got["index"] == got["dp_rank"] // pool
             assert got["workers"] == pool * cp
             assert got["pool_sum"] == float(sum(got["ranks"]))
+            if got["relay"]:  # kv_relay auto: a twin of the pool group, its own communicator over the same ranks
+                assert got["twin_ranks"] == got["ranks"] and got["twin_sum"] == len(got["ranks"]) * got["pool_sum"]
+            else:
+                assert got["twin_ranks"] is None
             # every member of the pool shares this rank's TP rank and DP block
             for other in got["ranks"]:
                 mate = per_rank[other][s]

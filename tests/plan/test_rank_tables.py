@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
 from libra_megatron.plan.local_entries import rank_local_entries
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
@@ -15,11 +16,14 @@ HEADS = [(8, 8, 2, 2), (8, 2, 1, 4), (8, 1, 4, 2), (8, 2, 4, 1), (16, 2, 2, 1), 
          (16, 4, 2, 2), (12, 12, 3, 2), (18, 6, 3, 2), (12, 1, 3, 2), (128, 4, 4, 4), (32, 8, 4, 4)]
 
 
-def _plan(hq, hkv, H, M, kv_fetch="prefix", tiling="adaptive"):
+def _plan(hq, hkv, H, M, kv_fetch="prefix", tiling="adaptive", relay=False):
+    """A random assignment over 4 workers; ``relay``: K/V relayed over nodes {0}, {1, 2, 3}."""
     rng = np.random.default_rng(hq * 100 + hkv * 10 + H + M)
     heads = HeadLayout(hq, hkv, 4, H, M)
     tiles = build_tiles([[20, 28], [3, 45]], TokenLayout("zigzag", 48, 2), heads, 5, tiling=tiling, kv_fetch=kv_fetch)
-    return heads, build_exchange_plan(tiles, rng.integers(0, tiles.num_workers, tiles.num_tiles))
+    timing = StepTimeModel(4, attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3, worker_nodes=(0, 1, 1, 1),
+                           kv_relay=True) if relay else None  # links between nodes slow enough that relays pay off
+    return heads, build_exchange_plan(tiles, rng.integers(0, tiles.num_workers, tiles.num_tiles), timing)
 
 
 def assert_tables_equal_unit_tables(rp, t, expand):
@@ -32,12 +36,17 @@ def assert_tables_equal_unit_tables(rp, t, expand):
         np.testing.assert_array_equal(expand(getattr(t, name)), getattr(ref, name), err_msg=name)
     np.testing.assert_array_equal(t.cu_q, ref.cu_q)
     np.testing.assert_array_equal(t.cu_k, ref.cu_k)
+    assert (t.relay_send is None) == (ref.relay_send is None)
+    if ref.relay_send is not None:
+        np.testing.assert_array_equal(expand(t.relay_send), ref.relay_send)
+        np.testing.assert_array_equal(expand(t.relay_recv), ref.relay_recv)
 
 
 @pytest.mark.parametrize("hq, hkv, H, M", HEADS)
-@pytest.mark.parametrize("kv_fetch", ["group", "prefix"])
-def test_run_tables_expand_to_the_unit_tables_for_every_rank(hq, hkv, H, M, kv_fetch):
-    heads, plan = _plan(hq, hkv, H, M, kv_fetch)
+@pytest.mark.parametrize("kv_fetch, relay", [("group", False), ("prefix", False), ("prefix", True)])
+def test_run_tables_expand_to_the_unit_tables_for_every_rank(hq, hkv, H, M, kv_fetch, relay):
+    heads, plan = _plan(hq, hkv, H, M, kv_fetch, relay=relay)
+    assert (plan.relay_units is not None) == relay
     for w in range(plan.num_workers):
         rp = plan.for_rank(w)
         t = build_rank_tables(rp)

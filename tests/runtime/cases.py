@@ -65,8 +65,14 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
             fmt="sbhd" if i % 5 == 3 else "thd", data_seed=int(rng.integers(1 << 30)),
             deterministic=i == 1,  # --deterministic-mode reaches every backward kernel call
             lead=i % (M + 3) - 1,  # the Pipeliner lead per rank: -1 (default), 0..M, M + 1 (no local split)
+            # K/V relay between nodes of two ranks (placed cases at world >= 4), on a twin group or the pool group
+            nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 and i % 3 else None,
+            twin=world_size >= 4 and i % 3 > 0 and i % 2 == 1,  # (a twin is made by every rank of the world at once)
         ))
     return cases
+
+
+RELAY_MODEL = dict(attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3)  # relays pay off (tests only)
 
 
 # ====================================================================================== per-rank
@@ -94,7 +100,12 @@ def _build(case, rank_override_assign=None, with_tiles=False):
         assign = np.random.default_rng(case["assign_seed"]).integers(0, tiles.num_workers, tiles.num_tiles)
     else:
         assign = place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment
-    plan = build_exchange_plan(tiles, assign)
+    timing = None
+    if case.get("nodes"):
+        from libra_megatron.plan.timing import StepTimeModel
+
+        timing = StepTimeModel(case["d"], worker_nodes=case["nodes"], kv_relay=True, **RELAY_MODEL)
+    plan = build_exchange_plan(tiles, assign, timing)
     return (tiles, plan) if with_tiles else (layout, plan)
 
 
@@ -131,13 +142,17 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     stats = ExchangeStats()
     args = (q, k, v) if case["fmt"] == "thd" else tuple(x.unsqueeze(1) for x in (q, k, v))
     deterministic = bool(case.get("deterministic", False))
+    relay_group = _twin_group(group) if case.get("twin") else None
     with _recorded_backward_flags() as seen:
         out = libra_attn_func(*args, rp, group or dist.group.WORLD, qkv_format=case["fmt"],
-                              save_mode=case["save_mode"], stats=stats, backend="torch", deterministic=deterministic)
+                              save_mode=case["save_mode"], stats=stats, backend="torch", deterministic=deterministic,
+                              relay_group=relay_group)
         out.backward(do if case["fmt"] == "thd" else do.unsqueeze(1))
     got = (out.detach().reshape(q.shape), q.grad, k.grad, v.grad)
     errs = [_rel_err(a, shard_tokens(b, layout, c)) for a, b in zip(got, ref)]
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
+    relay_recv = 0 if rp.relay_route is None else int(rp.relay_route.recv_splits.sum())
+    kv_recv_remote += relay_recv  # dK|dV of relayed rows go back to the relay (the input dtype = fp32 sums here)
     from libra_megatron.plan.memory import saved_bytes_per_rank
     from libra_megatron.testing.unit_tables import entry_kinds_by_units
 
@@ -148,7 +163,22 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
                 kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)),
                 entry_kinds=np.bincount(entry_kinds_by_units(rp)[0], minlength=3).tolist(),  # remote, local, split
-                waited=sorted(stats.wait_seconds))
+                waited=sorted(stats.wait_seconds), relay_recv=relay_recv,
+                relayed=rp.relay_route is not None)
+
+
+_TWINS = {}
+
+
+def _twin_group(group):
+    """A second process group over the ranks of ``group`` (the world when None), made once per process (every
+    rank runs the same cases in the same order, so every rank makes it at the same point)."""
+    import torch.distributed as dist
+
+    ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+    if ranks not in _TWINS:
+        _TWINS[ranks] = dist.new_group(list(ranks))
+    return _TWINS[ranks]
 
 
 @contextlib.contextmanager
@@ -275,7 +305,8 @@ def make_precision_cases(world_size: int, seed: int) -> List[dict]:
             segs = [[L]] + trace_segments(rng, P - 1, L)
             cases.append(dict(P=P, cp=cp, L=L, segs=segs, hq=8, hkv=1, H=1, M=4, d=16, layout="zigzag", block=4,
                               assign="random", assign_seed=int(rng.integers(1 << 30)), dtype=dtype,
-                              save_mode=["arranged", "refetch"][i % 2], fmt="thd", data_seed=int(rng.integers(1 << 30))))
+                              save_mode=["arranged", "refetch"][i % 2], fmt="thd", data_seed=int(rng.integers(1 << 30)),
+                              nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 else None))
     return cases
 
 
@@ -319,7 +350,7 @@ def run_precision_case(rank: int, case: dict, group=None) -> dict:
     base_err = [float((b.double() - r).abs().index_select(0, torch.as_tensor(layout.local_to_global(c))).max())
                 for b, r in zip(base, ref)]
     return dict(err=err, base_err=base_err, max_fragments=int(kv_fragments(rp).max()),
-                dtypes_ok=all(x.dtype == dtype for x in got))
+                dtypes_ok=all(x.dtype == dtype for x in got), relayed=rp.relay_route is not None)
 
 
 def run_precision_cases(rank: int, cases, with_injected_bug: bool) -> dict:

@@ -68,6 +68,26 @@ def test_pool_result_prices_the_plans_local_entries_first(linux_slice):
     assert np.array_equal(new.compute_seconds, old.compute_seconds)
 
 
+def test_pool_result_prices_a_relayed_plan_as_the_planner_does(linux_slice):
+    """With kv_relay the simulator prices the plan the planner builds (its relay hop and leads included), and
+    the slowest worker is never slower than pricing the direct plan."""
+    from libra_megatron.plan.timeaware import plan_worker_seconds
+
+    seqs = pack_documents(linux_slice, 16384, "megatron", 7)[:8]
+    tiles = build_tiles(seqs, TokenLayout("zigzag", 16384, 2), HeadLayout(32, 4, 128, 2, 4), 1024)
+    placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+    slow = dict(attn_tflops=1e-3, intra_node_gbps=1e-2, inter_node_gbps=1e-4, gpus_per_node=4)
+    cost = CostModel(head_dim=128, **slow)
+    timing = cost.step_time_model(0)
+    plan = build_exchange_plan(tiles, placed.assignment, timing)
+    assert plan.relay_units is not None and plan.relay_units.sum() > 0
+    relayed = pool_result(tiles, placed, cost, 0)
+    direct = pool_result(tiles, placed, CostModel(head_dim=128, kv_relay=False, **slow), 0)
+    np.testing.assert_allclose(relayed.seconds, plan_worker_seconds(plan, timing), rtol=1e-12)
+    assert relayed.seconds.max() <= direct.seconds.max() * (1 + 1e-12)
+    assert relayed.bytes_qkvo == direct.bytes_qkvo  # the same rows reach every destination
+
+
 def test_simulator_invariants_on_real_trace_slice(linux_slice):
     args = build_parser().parse_args([
         "--trace", LINUX, "--seq-len", "16384", "--gbs", "16", "--dp", "8", "--cp", "2", "--pool-size", "2", "4",
