@@ -88,7 +88,7 @@ def case_spec(case, windows, head_splits=(1,), tilings=tuple(TilingPolicy), fetc
     hq, hkv, d = MODEL_PRESETS[MODEL]
     return SimSpec(seq_len=seq_len, global_batch_size=gbs, data_parallel_size=dp, context_parallel_size=cp,
                    pool_sizes=(POOL_SIZE,), head_splits=tuple(head_splits), block_sizes=(block,),
-                   dims=ModelDims(hq, hkv, d, 2), cost=CostModel(head_dim=d, num_chunks=4), taus=(TAU,),
+                   dims=ModelDims(hq, hkv, d, 2), cost=CostModel(head_dim=d, num_chunks=4, kv_relay=False), taus=(TAU,),
                    tilings=tuple(tilings), kv_fetches=tuple(fetches), max_windows=windows, distca=False,
                    memory_limit_gib=8.0)
 

@@ -5,7 +5,7 @@ Run:  .venv/bin/python benchmarks/bench_sync.py [--windows N] [--pp 1 2] [--jobs
 
 Layout (issue 16's spike, the shipped knobs): dense Qwen3-8B attention (hq=32, hkv=8, d=128, bf16), 256K packed
 sequences, GBS=128, DP=32, CP=8 (= TP2 x CP4 of configs/qwen3-8b-256k.args on the attention path) -> 4 lanes x
-GA 4; P=8, H=2, B=4096, M=4, tau=0.03, adaptive tiles, prefix KV fetch; --pp 1 and 2 (1F1B). Every number is the
+GA 4; P=8, H=2, B=4096, M=4, tau=0.03, adaptive tiles, prefix KV fetch, Alg. 2 tiles, no K/V relay; --pp 1 and 2 (1F1B). Every number is the
 simulator's estimate (its time model), not a measurement. For each (trace, PP) one ``python -m libra_megatron.sim``
 run (the command is printed) reports:
     per-instance   straggler_vs_lower_bound of ours (sync VRSP) and of Alg. 1 (the ``tap_vrsp`` baseline's
@@ -40,7 +40,8 @@ def sim_command(trace: str, pp: int, windows: int, jobs: int, json_path: str, du
     cmd = [sys.executable, "-m", "libra_megatron.sim", "--trace", trace, "--seq-len", "262144", "--gbs", "128",
            "--dp", "32", "--cp", "8", "--pool-size", "8", "--head-split", "2", "--block-size", "4096",
            "--num-chunks", "4", "--tau", "0.03", "--model", "qwen3-8b", "--pp", str(pp), "--no-distca",
-           "--no-progress", "--jobs", str(jobs), "--json", json_path, "--dump-orders", dump_path]
+           "--no-progress", "--jobs", str(jobs), "--json", json_path, "--dump-orders", dump_path,
+           "--tile-placement", "alg2", "--no-kv-relay"]  # the knobs this benchmark was measured at
     return cmd + (["--max-windows", str(windows)] if windows else [])
 
 
