@@ -170,10 +170,15 @@ def test_single_sample_longer_than_a_shard_with_blocks_crossing_shards():
 def test_inverse_routes_are_the_adjoint_of_the_forward_gather(pool):
     """<A x, G> == <x, A^T G> with A^T executed by Route.inverse() (dK/dV sums over destinations)."""
     _, layout, heads, tiles, assign, rng = pool
-    plan = build_exchange_plan(tiles, assign)
+    assert_inverse_is_adjoint(build_exchange_plan(tiles, assign), layout, heads, rng)
+
+
+def assert_inverse_is_adjoint(plan, layout, heads, rng):
+    """<A x, G> == <x, A^T G> for the Q and K/V routes of ``plan`` (A^T: their inverses, and the relay's)."""
+    W = plan.num_workers
     n, nk = layout.local_len * heads.head_split, layout.local_len * heads.num_kv_classes
-    x = [rng.standard_normal(n) for _ in range(tiles.num_workers)]
-    xk = [rng.standard_normal(nk) for _ in range(tiles.num_workers)]
+    x = [rng.standard_normal(n) for _ in range(W)]
+    xk = [rng.standard_normal(nk) for _ in range(W)]
     arr_q, arr_kv = run_routes_numpy(plan, x, xk)
     g_kv = [rng.standard_normal(a.shape) for a in arr_kv]
     g_q = [rng.standard_normal(a.shape) for a in arr_q]

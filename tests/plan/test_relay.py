@@ -8,7 +8,6 @@ prefix a destination there needs -- computed independently from the unrelayed pl
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -23,10 +22,10 @@ from libra_megatron.plan.timeaware import plan_worker_seconds
 from libra_megatron.plan.timing import StepTimeModel
 from libra_megatron.plan.traffic import plan_traffic
 from libra_megatron.plan.validate import validate_plan
-from libra_megatron.testing.execute import return_kv_grads_numpy, return_outputs_numpy, run_routes_numpy
+from libra_megatron.testing.execute import return_kv_grads_numpy, run_routes_numpy
 from libra_megatron.testing.unit_tables import entry_kinds_by_units
 
-from .test_exchange import SETTINGS, _check_attention, pools, token_ids
+from .test_exchange import SETTINGS, _check_attention, assert_inverse_is_adjoint, pools, token_ids
 
 
 @st.composite
@@ -116,15 +115,7 @@ def test_attention_through_a_relayed_plan_matches_the_dense_reference(pool):
 def test_relay_inverse_is_the_adjoint_and_gradients_reach_home_once_per_fetch(pool):
     """<A x, G> == <x, A^T G> with the relay's inverse; ones sent back count the same fetches as without it."""
     _, layout, heads, tiles, assign, rng, nodes, relayed, direct = pool
-    n, nk = layout.local_len * heads.head_split, layout.local_len * heads.num_kv_classes
-    x = [rng.standard_normal(n) for _ in range(tiles.num_workers)]
-    xk = [rng.standard_normal(nk) for _ in range(tiles.num_workers)]
-    arr_q, arr_kv = run_routes_numpy(relayed, x, xk)
-    g_kv = [rng.standard_normal(a.shape) for a in arr_kv]
-    g_q = [rng.standard_normal(a.shape) for a in arr_q]
-    back_kv, back_q = return_kv_grads_numpy(relayed, g_kv), return_outputs_numpy(relayed, g_q)
-    dot = lambda a, b: sum(float(np.dot(u, v)) for u, v in zip(a, b))  # noqa: E731
-    assert math.isclose(dot(arr_kv, g_kv), dot(xk, back_kv), rel_tol=1e-12, abs_tol=1e-9)
+    assert_inverse_is_adjoint(relayed, layout, heads, rng)
     ones = [np.ones(rp.kv_route.target_len) for rp in relayed.ranks]
     for got, want in zip(return_kv_grads_numpy(relayed, ones), return_kv_grads_numpy(direct, ones)):
         np.testing.assert_array_equal(got, want)
