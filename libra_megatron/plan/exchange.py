@@ -18,8 +18,8 @@ buffer, exchange, and *place* into an arranged buffer (a permutation). ``Route.i
 backward route: it gathers from the arranged buffer and *accumulates* into the local buffer (index_add),
 which sums dK/dV fragments fetched by several destinations.
 
-Relay (issue 14). With ``relay_nodes`` (a node per worker), a home run of K/V that several destinations on
-one *other* node fetch crosses nodes once: the destination there that needs the most of it (the relay,
+Relay (issue 14). With ``timing.kv_relay`` (nodes from ``timing.nodes``), a home run of K/V that several
+destinations on one *other* node fetch crosses nodes once: the destination there that needs the most of it (the relay,
 lowest rank on ties) fetches it along the KV route, and the others copy their prefix of it from the relay's
 arranged buffer along the *relay route* (units = arranged-KV rows, stride 1; inverse = their dK/dV added
 into the relay's arranged dK/dV before it goes home). The KV route's receive runs and the relay route's
@@ -592,11 +592,15 @@ def _bytes_sent(q: _UnitRuns, kv: _UnitRuns, heads: HeadLayout, num_workers: int
     return (np.stack([q_units, kv_units, o_units], axis=1).astype(np.int64) * per_unit).astype(np.int64)
 
 
+def _pair_units(runs: _UnitRuns, num_workers: int) -> np.ndarray:
+    """int64 [W, W]: units every (src, dst) pair of a run table moves (self included)."""
+    W = num_workers
+    return np.bincount(runs.src * W + runs.dst, weights=runs.count, minlength=W * W).reshape(W, W).astype(np.int64)
+
+
 def _peer_units(q: _UnitRuns, kv: _UnitRuns, num_workers: int) -> np.ndarray:
     """int64 [2, W, W]: (Q, KV) units every (src, dst) pair of the run tables moves (self included)."""
-    W = num_workers
-    return np.stack([np.bincount(r.src * W + r.dst, weights=r.count, minlength=W * W).reshape(W, W)
-                     for r in (q, kv)]).astype(np.int64)
+    return np.stack([_pair_units(q, num_workers), _pair_units(kv, num_workers)])
 
 
 def _hosted_pair_heads(q: _UnitRuns, kv: _UnitRuns, q_len, kv_len, varlen: _Varlen, heads: HeadLayout,
@@ -681,13 +685,12 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     relay = relay_units = lead = None
     if timing is not None:
         lead, worst = _lead(peers, hosted, heads, timing)
-        if getattr(timing, "kv_relay", False):
+        if timing.kv_relay:
             hop1, relay = _relay_runs(kv_runs, timing.nodes(W))
             if relay is not None:  # relay unless the timeline prices the pool's slowest worker slower with it
                 # (ties keep it: the same step for fewer bytes between nodes)
                 r_peers = _frozen(_peer_units(q_runs, hop1, W))
-                r_units = _frozen(np.bincount(relay.src * W + relay.dst, weights=relay.count,
-                                              minlength=W * W).reshape(W, W))
+                r_units = _frozen(_pair_units(relay, W))
                 r_hosted = _hosted_pair_heads(q_runs, hop1, q_len, kv_len, varlen, heads, relay)
                 r_lead, r_worst = _lead(r_peers, r_hosted, heads, timing, r_units)
                 if r_worst <= worst * (1 + 1e-12):

@@ -90,7 +90,7 @@ def pool_timing(config: LibraConfig, heads: HeadLayout, timing=None) -> StepTime
     """The pool's time model (default rates, consecutive GPUs when None) with ``config.kv_relay``: it chooses every
     rank's Pipeliner lead and whether the plan relays K/V."""
     timing = timing if timing is not None else StepTimeModel(heads.head_dim)
-    return dataclasses.replace(timing, kv_relay=KvRelay(config.kv_relay) is KvRelay.AUTO)
+    return dataclasses.replace(timing, kv_relay=config.kv_relay is KvRelay.AUTO)
 
 
 def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,

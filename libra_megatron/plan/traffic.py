@@ -96,15 +96,15 @@ class PlanTraffic:
             return None
         node = np.asarray(node_of_worker)
         same = node[:, None] == node[None, :]
-        sends = self.heads.kv_send_chunks().astype(np.float64)
-        share = sends / sends.sum()  # [M]
+        none = np.zeros(self.num_workers)
         per_class = []
-        for mask in (same, ~same):
+        for mask in (same, ~same):  # a dispatch phase of K/V only: no Q moves on the relay
             part = np.where(mask, self.relay, 0.0)
-            per_class.append(np.maximum(part.sum(axis=1), part.sum(axis=0))[:, None] * share[None, :])
+            per_class.append(chunk_phase_bytes(none, none, part.sum(axis=1), part.sum(axis=0), self.heads)[:, 0])
         moves = self.relay > 0
+        sends = self.heads.kv_send_chunks()
         return RelayTiming(seconds=model.comm_seconds(*per_class), partners=moves | moves.T,
-                           receives=moves.any(axis=0)[:, None] & (sends > 0)[None, :])
+                           receives=moves.any(axis=0)[:, None] & sends[None, :])
 
 
 def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayout) -> np.ndarray:

@@ -87,18 +87,14 @@ def _check_covers(rp, w: int) -> None:
 
 def _relay_exchange(ranks, arranged_kv):
     """The relay hop on the simulated arranged K/V: a relay forwards rows it holds after the KV route."""
-    W = len(ranks)
     for w, rp in enumerate(ranks):
-        held = arranged_kv[w][rp.relay_route.send_index]
-        if (held < 0).any():
+        if (arranged_kv[w][rp.relay_route.send_index] < 0).any():
             raise PlanError(f"rank {w}: relay_route forwards arranged KV rows it has not received")
-    sent = [a[rp.relay_route.send_index] for rp, a in zip(ranks, arranged_kv)]
-    offs = [np.concatenate([[0], np.cumsum(rp.relay_route.send_splits)]) for rp in ranks]
+    relayed = _exchange([rp.relay_route for rp in ranks], arranged_kv)
     out = []
-    for d, rp in enumerate(ranks):
-        recv = np.concatenate([sent[s][offs[s][d]: offs[s][d + 1]] for s in range(W)])
-        full = arranged_kv[d].copy()
-        full[rp.relay_route.recv_index] = recv
+    for rp, held, got in zip(ranks, arranged_kv, relayed):
+        full = held.copy()
+        full[rp.relay_route.recv_index] = got[rp.relay_route.recv_index]
         out.append(full)
     return out
 

@@ -97,7 +97,7 @@ class _Ctx:
     stats: Optional[ExchangeStats]
     acc_dtype: torch.dtype  # dK|dV sums (fp32 for fp16/bf16 inputs)
     deterministic: bool = False  # the kernels' deterministic backward (Megatron-LM's --deterministic-mode)
-    relay_group: object = None  # the relay's communicator (a twin of ``group``); None: ``group``
+    relay_group: object = None  # the relay's communicator: a twin of ``group``, or ``group`` itself
 
     def kernel(self, fn, *args):
         if self.stats is None:
@@ -141,8 +141,7 @@ def _relay(cx: _Ctx, kv_arr, kind: str = "kv"):
     relay = cx.tables.relay
     if relay is None:
         return None
-    group = cx.group if cx.relay_group is None else cx.relay_group
-    return start_exchange(kv_arr.index_select(0, relay.fwd.send_rows), relay.fwd, group, cx.stats, kind)
+    return start_exchange(kv_arr.index_select(0, relay.fwd.send_rows), relay.fwd, cx.relay_group, cx.stats, kind)
 
 
 def _relay_back(cx: _Ctx, dkv_arr) -> None:
@@ -151,8 +150,8 @@ def _relay_back(cx: _Ctx, dkv_arr) -> None:
     relay = cx.tables.relay
     if relay is None:
         return
-    group = cx.group if cx.relay_group is None else cx.relay_group
-    start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, group, cx.stats, "dkv").into(dkv_arr)
+    start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats,
+                   "dkv").into(dkv_arr)
 
 
 def _packed_kv(cx: _Ctx, kv_arr):
@@ -484,7 +483,8 @@ def libra_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Ran
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     cx = _Ctx(plan=plan, tables=device_tables(plan, rank_tables, q.device), group=group, scale=scale,
               backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]), stats=stats,
-              acc_dtype=_accumulation_dtype(q.dtype), deterministic=bool(deterministic), relay_group=relay_group)
+              acc_dtype=_accumulation_dtype(q.dtype), deterministic=bool(deterministic),
+              relay_group=group if relay_group is None else relay_group)
     return _apply(q, k, v, cx, mode)
 
 
