@@ -23,7 +23,11 @@ destinations on one *other* node fetch crosses nodes once: the destination there
 lowest rank on ties) fetches it along the KV route, and the others copy their prefix of it from the relay's
 arranged buffer along the *relay route* (units = arranged-KV rows, stride 1; inverse = their dK/dV added
 into the relay's arranged dK/dV before it goes home). The KV route's receive runs and the relay route's
-together place every arranged-KV row exactly once.
+together place every arranged-KV row exactly once. Which home runs relay is chosen per plan, the fastest
+under the Pipeliner timeline of: every home run, or only those of the workers within 5% / 1% of the
+unrelayed plan's slowest (``RELAY_SENDER_CUTS``: a relay's receivers wait for it, so relaying only the
+slow senders takes their fan-out off the critical path without holding up everyone else's receivers); no
+relay when each prices the pool's slowest worker slower.
 
 RankPlan. What one rank executes: its Q route (Q dispatch; inverse = O return, dQ return), its KV route
 (KV fetch, deduplicated per (doc, KV class, destination); inverse = dK/dV return), its relay route (None
@@ -47,7 +51,10 @@ from .kv_refs import home_runs_in_prefix
 from .layout import HeadLayout
 from .local_entries import LOCAL, SPLIT, entry_pair_heads, pool_entry_kinds
 
-__all__ = ["IndexRuns", "Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan"]
+__all__ = ["IndexRuns", "Route", "RankPlan", "ExchangePlan", "q_rows", "kv_rows", "build_exchange_plan",
+           "RELAY_SENDER_CUTS"]
+
+RELAY_SENDER_CUTS = (0.95, 0.99)  # relay candidates besides every home run (module docstring, "Relay")
 
 
 def q_rows(units: np.ndarray, heads: HeadLayout, chunk: int) -> np.ndarray:
@@ -431,8 +438,9 @@ def _kv_runs(tiles, pair_dst, pair_class, pair_doc, pair_off, pair_len) -> _Unit
     )
 
 
-def _relay_runs(kv: _UnitRuns, nodes: np.ndarray):
-    """(hop-1 KV runs, relay runs or None) (module docstring, "Relay").
+def _relay_runs(kv: _UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = None):
+    """(hop-1 KV runs, relay runs or None) (module docstring, "Relay"); ``senders`` (bool [W]): relay only the
+    home runs of these workers (None: every worker's).
 
     KV runs of one home run (same src and src_start: same K/V class, same first row) fetched by several
     destinations on one node other than the source's keep only the longest (the relay R; lowest rank on ties)
@@ -440,6 +448,8 @@ def _relay_runs(kv: _UnitRuns, nodes: np.ndarray):
     rows [tgt_R, +count_w) to its rows [tgt_w, +count_w). Relay runs come sorted by (dst, tgt)."""
     node = np.asarray(nodes, dtype=np.int64)
     cross = np.flatnonzero(node[kv.src] != node[kv.dst])
+    if senders is not None:
+        cross = cross[np.asarray(senders, dtype=bool)[kv.src[cross]]]
     if cross.size < 2:
         return kv, None
     src, start, dnode = kv.src[cross], kv.src_start[cross], node[kv.dst[cross]]
@@ -675,6 +685,12 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     ``timing.kv_relay`` the K/V of other nodes is relayed over ``timing.nodes`` (module docstring, "Relay").
     Cost: O(tiles + fragments + referenced groups * homes) here; O(the rank's runs) per RankPlan on access.
     """
+    return _build_exchange_plan(tiles, assignment, timing)
+
+
+def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_senders=None) -> ExchangePlan:
+    """``build_exchange_plan``; ``relay_senders`` (bool [W], tests) relays exactly the home runs of these
+    workers whenever ``timing.kv_relay`` (no pricing)."""
     assignment = _check_assignment(tiles, assignment)
     W, heads = tiles.num_workers, tiles.heads
     order = _hosted_order(tiles, assignment)
@@ -684,19 +700,27 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     hosted = _hosted_pair_heads(q_runs, kv_runs, q_len, kv_len, varlen, heads)
     relay = relay_units = lead = None
     if timing is not None:
-        lead, worst = _lead(peers, hosted, heads, timing)
+        lead, seconds = _lead(peers, hosted, heads, timing)
         if timing.kv_relay:
-            hop1, relay = _relay_runs(kv_runs, timing.nodes(W))
-            if relay is not None:  # relay unless the timeline prices the pool's slowest worker slower with it
-                # (ties keep it: the same step for fewer bytes between nodes)
+            sets = [relay_senders] if relay_senders is not None else \
+                [None] + [seconds >= cut * seconds.max() for cut in RELAY_SENDER_CUTS]
+            best = None
+            for senders in sets:
+                hop1, runs = _relay_runs(kv_runs, timing.nodes(W), senders)
+                if runs is None:
+                    continue
                 r_peers = _frozen(_peer_units(q_runs, hop1, W))
-                r_units = _frozen(_pair_units(relay, W))
-                r_hosted = _hosted_pair_heads(q_runs, hop1, q_len, kv_len, varlen, heads, relay)
-                r_lead, r_worst = _lead(r_peers, r_hosted, heads, timing, r_units)
-                if r_worst <= worst * (1 + 1e-12):
-                    kv_runs, peers, hosted, lead, relay_units = hop1, r_peers, r_hosted, r_lead, r_units
-                else:
-                    relay = None
+                r_units = _frozen(_pair_units(runs, W))
+                r_hosted = _hosted_pair_heads(q_runs, hop1, q_len, kv_len, varlen, heads, runs)
+                r_lead, r_seconds = _lead(r_peers, r_hosted, heads, timing, r_units)
+                # relay unless the timeline prices the pool's slowest worker slower with it (ties relay: the
+                # same step for fewer bytes between nodes); the fastest set wins, ties the earlier (more relayed)
+                if relay_senders is None and (r_seconds.max() > seconds.max() * (1 + 1e-12) or
+                                              (best is not None and r_seconds.max() >= best[0])):
+                    continue
+                best = (r_seconds.max(), hop1, r_peers, r_hosted, r_lead, r_units, runs)
+            if best is not None:
+                _, kv_runs, peers, hosted, lead, relay_units, relay = best
         lead = _frozen(lead)
     sent = _bytes_sent(q_runs, kv_runs, heads, W, relay)
     fp = _fingerprint(tiles, assignment, q_runs, pairs, varlen, relay)
@@ -715,9 +739,10 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
 
 
 def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing, relay_units=None):
-    """(int64 [W] leads, the slowest worker's seconds) under ``timing``: every rank's ``plan.timing.best_lead``
-    from its local / remote loads and phase seconds; with a relay, also every relay sender at lead 0 (it issues
-    its forwards before its local work, so its receivers start sooner), whichever prices the pool faster."""
+    """(int64 [W] leads, float64 [W] every worker's seconds with them) under ``timing``: every rank's
+    ``plan.timing.best_lead`` from its local / remote loads and phase seconds; with a relay, also every relay
+    sender at lead 0 (it issues its forwards before its local work, so its receivers start sooner), whichever
+    prices the pool's slowest worker faster."""
     from .timing import best_lead, pipeline_seconds
     from .traffic import traffic_of_units
 
@@ -727,10 +752,10 @@ def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing, relay_units=
     local, remote = (timing.compute_seconds(x) for x in hosted_pair_heads)
     relay = traffic.relay_timing(nodes, timing)
     lead = best_lead(local, remote, dispatch, ret, relay)
-    worst = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, lead, relay)[0].max()
+    seconds = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, lead, relay)[0]
     if relay is not None:
         early = np.where(np.asarray(relay_units).sum(axis=1) > 0, 0, lead)
-        other = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, early, relay)[0].max()
-        if other < worst:
-            lead, worst = early, other
-    return lead, float(worst)
+        other = pipeline_seconds(local, remote, dispatch, ret, timing.local_first, early, relay)[0]
+        if other.max() < seconds.max():
+            lead, seconds = early, other
+    return lead, seconds

@@ -27,7 +27,7 @@ from .exchange import build_exchange_plan
 from .kv_refs import fetched_groups
 from .node_export import export_dense_first
 from .tiles import TileSet
-from .timeaware import plan_worker_seconds, refine_for_time
+from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, plan_worker_seconds, refine_for_time, time_moves
 from .timing import StepTimeModel
 
 __all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads"]
@@ -160,18 +160,31 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 
 
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
-    """ALG2, then ``plan.node_export.export_dense_first`` over the nodes of ``timing``; the faster of the two
-    under ``timing`` (slowest worker; ties keep Algorithm 2). Returns the placer tuple plus the winner's plan."""
+    """ALG2, then ``plan.node_export.export_dense_first`` over the nodes of ``timing``, then
+    ``DENSE_TIME_ROUNDS`` rounds of time-aware moves (``plan.timeaware.time_moves``, ``DENSE_WIDTH``); each
+    step is kept only when the pool's slowest worker is faster under ``timing`` (exchange plans priced, ties
+    keep the earlier one). Returns the placer tuple plus the winner's plan."""
     timing = timing or StepTimeModel(tiles.heads.head_dim)
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
-    base = build_exchange_plan(tiles, start, timing)
-    dense = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
-    if np.array_equal(dense, start):
-        return start, cap, fallbacks, comm, base
-    other = build_exchange_plan(tiles, dense, timing)
-    if plan_worker_seconds(other, timing).max() < plan_worker_seconds(base, timing).max():
-        return dense, cap, fallbacks, assignment_comm_bytes(tiles, dense), other
-    return start, cap, fallbacks, comm, base
+    kept = (start, build_exchange_plan(tiles, start, timing))
+    kept = _faster(tiles, timing, kept,
+                   export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers)))
+    kept = _faster(tiles, timing, kept, time_moves(tiles, kept[0], timing, DENSE_TIME_ROUNDS, DENSE_WIDTH))
+    assignment, plan = kept
+    if assignment is not start:
+        comm = assignment_comm_bytes(tiles, assignment)
+    return assignment, cap, fallbacks, comm, plan
+
+
+def _faster(tiles: TileSet, timing: StepTimeModel, kept: tuple, candidate: np.ndarray) -> tuple:
+    """(assignment, plan): ``candidate`` and its exchange plan when its slowest worker is faster under
+    ``timing`` than ``kept``'s, else ``kept``."""
+    if np.array_equal(candidate, kept[0]):
+        return kept
+    plan = build_exchange_plan(tiles, candidate, timing)
+    if plan_worker_seconds(plan, timing).max() < plan_worker_seconds(kept[1], timing).max():
+        return candidate, plan
+    return kept
 
 
 _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
@@ -201,8 +214,9 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
     TIME: ALG2, then ``plan.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
-    DENSE: ALG2, then dense-first node export (``plan.node_export``) over ``timing``'s nodes, kept only when
-    its slowest worker is faster under ``timing``; never slower than ALG2 under that model.
+    DENSE: ALG2, then dense-first node export (``plan.node_export``) over ``timing``'s nodes, then
+    ``DENSE_TIME_ROUNDS`` rounds of TIME's moves; each kept only when the slowest worker is faster under
+    ``timing``; never slower than ALG2 under that model.
     """
     method = TilePlacement(method)
     if timing is not None and method not in _TIMED:

@@ -17,8 +17,10 @@ local compute is a per-fragment estimate (a fragment on its Q-home computes loca
 key rows the home holds), which can call local what the plan merges into a remote or shorter-tailed entry.
 So the search is a heuristic, and the guarantee is checked on the real plans: ``refine_for_time`` prices
 both final assignments with ``worker_times`` (the exchange plan's traffic, ``hosted_pair_heads`` and lead)
-and returns Algorithm 2's unless the refined one is faster. The result is never slower than Algorithm 2 under the model (tested), even
-where it leaves more FLOPs imbalance.
+and returns Algorithm 2's unless the refined one is faster. The result is never slower than Algorithm 2
+under the model (tested), even where it leaves more FLOPs imbalance. The same search (``time_moves``) is the
+last step of the 'dense' placement (``plan.placement``): ``DENSE_TIME_ROUNDS`` rounds of a narrower search
+(``DENSE_WIDTH``) after the node export, kept only when the exchange plans price them faster.
 """
 from __future__ import annotations
 
@@ -28,15 +30,18 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .exchange import build_exchange_plan
-from .kv_refs import home_runs_in_prefix
+from .kv_refs import expand_ranges, home_runs_in_prefix
 from .local_entries import entry_pair_heads
 from .tiles import TileSet
 from .timing import StepTimeModel
 from .traffic import chunk_phase_bytes, plan_traffic
 
-__all__ = ["refine_for_time", "worker_times", "plan_worker_seconds", "MAX_MOVES_PER_WORKER"]
+__all__ = ["refine_for_time", "time_moves", "worker_times", "plan_worker_seconds", "MAX_MOVES_PER_WORKER",
+           "DENSE_TIME_ROUNDS", "DENSE_WIDTH"]
 
 MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
+DENSE_TIME_ROUNDS = 16  # rounds after the dense placement's node export (planner cost: docs/exchange.md) ...
+DENSE_WIDTH = (6, 5)  # ... each trying (tiles per kind, moves extended) instead of (_TILES_PER_KIND, _EXTEND)
 _TILES_PER_KIND = 10  # candidate tiles per kind of contact with w* (hosted, homed, fetching), largest first
 _LIGHTEST = 3  # lightest workers tried as destinations (globally and on a node)
 _SWAPS = 2  # tiles of a destination tried as swap partners
@@ -67,6 +72,26 @@ def _home_local_flops(tiles: TileSet) -> np.ndarray:
     return np.bincount(block, weights=np.where(covered, pairs, 0), minlength=nfrag.size)[tiles.tile_block()]
 
 
+def _tile_refs(tiles: TileSet):
+    """Every tile's K/V references as flat lists (tile, group, kv end), tile-major, each tile's in
+    ``tiles.tile_kv_refs`` order (its block's fragments)."""
+    H, G = tiles.head_split, tiles.num_kv_classes
+    nfrag = np.diff(tiles.frag_ptr)
+    frag = expand_ranges(np.repeat(tiles.frag_ptr[:-1], H), np.repeat(nfrag, H))  # fragments of tile 0, 1, ...
+    tile = np.repeat(np.arange(tiles.num_tiles, dtype=np.int64), np.repeat(nfrag, H))
+    group = tiles.frag_doc[frag] * G + tiles.heads.kv_class_of_shard()[tile % H]
+    return tile.tolist(), group.tolist(), tiles.frag_kv_end[frag].tolist()
+
+
+def _runs(sorted_keys: List[int]):
+    """(key, start, end) of the runs of equal keys in a sorted list."""
+    start = 0
+    for i in range(1, len(sorted_keys) + 1):
+        if i == len(sorted_keys) or sorted_keys[i] != sorted_keys[start]:
+            yield sorted_keys[start], start, i
+            start = i
+
+
 class _PoolTraffic:
     """Per-worker bytes and compute of an assignment, updated one tile move at a time."""
 
@@ -80,18 +105,52 @@ class _PoolTraffic:
         self.compute = model.compute_seconds(tiles.tile_flops()).tolist()
         self.home_local = model.compute_seconds(_home_local_flops(tiles)).tolist()
         self.kv_bytes = float(heads.kv_bytes_per_token())
-        self.refs = [tuple(zip(*(x.tolist() for x in tiles.tile_kv_refs(t)))) for t in range(tiles.num_tiles)]
-        G = tiles.num_kv_classes
+        self.G = tiles.num_kv_classes
+        ref_tile, ref_group, ref_end = _tile_refs(tiles)
+        self.refs = [()] * tiles.num_tiles
+        for t, lo, hi in _runs(ref_tile):
+            self.refs[t] = tuple(zip(ref_group[lo:hi], ref_end[lo:hi]))
         ptr = tiles.doc_home_ptr
         self.holders = [tuple(zip(tiles.doc_home_worker[ptr[d]:ptr[d + 1]].tolist(),
                                   tiles.doc_home_offset[ptr[d]:ptr[d + 1]].tolist(),
                                   tiles.doc_home_count[ptr[d]:ptr[d + 1]].tolist())) for d in range(tiles.num_docs)]
-        self.G = G
         self.ends: Dict[Tuple[int, int], Dict[int, int]] = defaultdict(dict)  # (group, w) -> {kv_end: tiles}
         self.fetchers: Dict[int, set] = defaultdict(set)  # group -> workers with a prefix of it selected
-        self.state = np.zeros((W, _NCOL))
-        for t, w in enumerate(self.assignment):
-            self._apply(self._delta(t, None, w), t, None, w)
+        for t, group, end in zip(ref_tile, ref_group, ref_end):
+            w = self.assignment[t]
+            ends = self.ends[(group, w)]
+            ends[end] = ends.get(end, 0) + 1
+            self.fetchers[group].add(w)
+        self.state = self._initial_state(np.asarray(ref_tile, dtype=np.int64), np.asarray(ref_group, dtype=np.int64),
+                                         np.asarray(ref_end, dtype=np.int64))
+
+    def _initial_state(self, ref_tile, ref_group, ref_end) -> np.ndarray:
+        """[W, 10] state of the whole assignment at once: what moving every tile from nowhere to its worker
+        one at a time (``_delta``) sums to (``tests/plan/test_timeaware.py`` checks the two agree)."""
+        tiles, W = self.tiles, self.tiles.num_workers
+        node, dst, home = np.asarray(self.node), np.asarray(self.assignment), np.asarray(self.home)
+        state = np.zeros((W, _NCOL))
+        compute, local = np.asarray(self.compute), np.where(dst == home, self.home_local, 0.0)
+        state[:, _L] = np.bincount(dst, weights=local, minlength=W)
+        state[:, _X] = np.bincount(dst, weights=compute - local, minlength=W)
+        self._add_edges(state, node, home, dst, np.asarray(self.q_bytes), _QS)
+        # K/V: every (group, destination) fetches rows [0, its longest kv end) from the group's holders
+        key, inverse = np.unique(ref_group * W + dst[ref_tile], return_inverse=True)
+        end = np.zeros(key.size, dtype=np.int64)
+        np.maximum.at(end, inverse, ref_end)
+        fetcher = key % W
+        row, entry, count = home_runs_in_prefix(tiles, key // W // self.G, end)
+        self._add_edges(state, node, tiles.doc_home_worker[entry], fetcher[row], count * self.kv_bytes, _KS)
+        return state
+
+    @staticmethod
+    def _add_edges(state, node, src, dst, nbytes, kind: int) -> None:
+        """``_edge`` for arrays of (src, dst, bytes) edges (self edges dropped)."""
+        W = state.shape[0]
+        for base, cross in ((0, False), (_INTER, True)):
+            keep = (src != dst) & ((node[src] != node[dst]) == cross)
+            state[:, base + kind] += np.bincount(src[keep], weights=nbytes[keep], minlength=W)
+            state[:, base + kind + 1] += np.bincount(dst[keep], weights=nbytes[keep], minlength=W)
 
     # ----------------------------------------------------------------- pricing
     def seconds(self, rows: np.ndarray) -> np.ndarray:
@@ -182,13 +241,15 @@ class _PoolTraffic:
 
     def move(self, t: int, dst: int) -> None:
         src = self.assignment[t]
+        if src == dst:  # (``_delta`` prices a move to another worker)
+            return
         self._apply(self._delta(t, src, dst), t, src, dst)
 
 
 def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray:
     """float64 [W]: seconds of every worker under ``model`` for ``assignment``, priced from the exchange plan
     the runtime executes (``plan_worker_seconds``)."""
-    return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64)), model)
+    return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64), model), model)
 
 
 def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
@@ -205,17 +266,17 @@ def _largest(items, key, limit: int) -> List[int]:
     return sorted(items, key=key, reverse=True)[:limit]
 
 
-def _candidate_tiles(pool: _PoolTraffic, star: int, by_worker, by_home, by_doc) -> List[int]:
+def _candidate_tiles(pool: _PoolTraffic, star: int, by_worker, by_home, by_doc, limit: int) -> List[int]:
     """Tiles whose traffic or compute touches worker ``star`` (module docstring), a few of each kind."""
-    hosted = _largest(by_worker[star], lambda t: pool.compute[t] + pool.q_bytes[t] * 1e-15, _TILES_PER_KIND)
+    hosted = _largest(by_worker[star], lambda t: pool.compute[t] + pool.q_bytes[t] * 1e-15, limit)
     homed = _largest([t for t in by_home[star] if pool.assignment[t] != star], lambda t: pool.q_bytes[t],
-                     _TILES_PER_KIND)
+                     limit)
     fetching = {}
     for doc in by_doc[star]:
         for t in by_doc[("tiles", doc)]:
             if pool.assignment[t] != star:
                 fetching[t] = max(fetching.get(t, 0), max(e for g, e in pool.refs[t] if g // pool.G == doc))
-    fetch = _largest(fetching, lambda t: fetching[t], _TILES_PER_KIND)
+    fetch = _largest(fetching, lambda t: fetching[t], limit)
     return list(dict.fromkeys(hosted + homed + fetch))
 
 
@@ -300,41 +361,52 @@ def _score(pool: _PoolTraffic, move_sets, star: int, times: np.ndarray, order: L
     return out
 
 
-def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index):
-    """(new max, new time of star, moves) of the best candidate move set, or None. Single moves are scored
-    first; the ``_EXTEND`` best of them are retried as group moves and swaps."""
+def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index, width: Tuple[int, int]):
+    """(new max, new time of star, moves) of the best candidate move set, or None. Single moves of
+    ``width[0]`` tiles per kind are scored first; the ``width[1]`` best of them are retried as group moves and
+    swaps."""
     by_worker, by_home, by_doc = index
     order = np.argsort(-times, kind="stable").tolist()
     light = order[::-1]
-    singles = _score(pool, [((t, dst),) for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc)
+    singles = _score(pool, [((t, dst),) for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc, width[0])
                             for dst in _destinations(pool, t, star, times, light)], star, times, order)
     if not singles:
         return None
     singles.sort(key=lambda k: (k[0], k[1], k[2]))
-    extended = _score(pool, [moves for _, _, ((t, dst),) in singles[:_EXTEND]
+    extended = _score(pool, [moves for _, _, ((t, dst),) in singles[:width[1]]
                              for moves in _extended_sets(pool, t, dst, by_worker)], star, times, order)
     return min(singles[:1] + extended, key=lambda k: (k[0], k[1], k[2]))
 
 
-def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel) -> np.ndarray:
-    """Moves after Algorithm 2 that lower (max worker time, time of the slowest worker) under ``model``'s
-    incremental estimate (module docstring); returns them only when the exchange plan's ``worker_times`` say
-    the result is faster than ``assignment``, so it is never slower under the model."""
-    start = np.asarray(assignment, dtype=np.int64)
-    pool = _PoolTraffic(tiles, start, model)
+def time_moves(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel, max_rounds: int,
+               width: Tuple[int, int] = (_TILES_PER_KIND, _EXTEND)) -> np.ndarray:
+    """The search alone: up to ``max_rounds`` rounds of the best move off the slowest worker under ``model``'s
+    incremental estimate (module docstring; ``width`` as in ``_best_move``), stopping at the first round with
+    no improving move. Unchecked: callers keep the result only when the exchange plans price it faster
+    (``refine_for_time``, ``plan.placement``'s dense placement)."""
+    pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
     index = _index(pool)
-    for _ in range(MAX_MOVES_PER_WORKER * tiles.num_workers):
+    for _ in range(max_rounds):
         times = pool.seconds(pool.state)
         star = int(np.argmax(times))
         cur = float(times[star])
-        best = _best_move(pool, star, times, index)
+        best = _best_move(pool, star, times, index, width)
         if best is None or not (best[0] < cur * (1 - _EPS) or (best[0] <= cur and best[1] < cur * (1 - 1e-9))):
             break
         for t, dst in best[2]:
             index[0][pool.assignment[t]].discard(t)
             index[0][dst].add(t)
             pool.move(t, dst)
-    refined = np.asarray(pool.assignment, dtype=np.int64)
+    return np.asarray(pool.assignment, dtype=np.int64)
+
+
+def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel) -> np.ndarray:
+    """Moves after Algorithm 2 that lower (max worker time, time of the slowest worker) under ``model``'s
+    incremental estimate (``time_moves``, up to ``MAX_MOVES_PER_WORKER`` * W rounds); returns them only when
+    the exchange plans' ``worker_times`` say the result is faster than ``assignment``, so it is never slower
+    under the model."""
+    start = np.asarray(assignment, dtype=np.int64)
+    refined = time_moves(tiles, start, model, MAX_MOVES_PER_WORKER * tiles.num_workers)
     if np.array_equal(refined, start) or worker_times(tiles, refined, model).max() >= worker_times(tiles, start, model).max():
         return start
     return refined

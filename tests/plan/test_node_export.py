@@ -12,6 +12,7 @@ from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.node_export import export_dense_first, tile_density
 from libra_megatron.plan.packing import pack_documents
+from libra_megatron.plan import placement
 from libra_megatron.plan.placement import place_tiles
 from libra_megatron.plan.timeaware import plan_worker_seconds
 from libra_megatron.plan.pool import plan_pool
@@ -21,7 +22,7 @@ from libra_megatron.plan.traces import find_trace, load_trace
 from libra_megatron.plan.validate import validate_plan
 
 from .test_exchange import SETTINGS, pools
-from .test_timeaware import SLOW, _plan_seconds
+from .test_timeaware import SLOW, _plan_seconds, wiki_tiles
 
 
 def _node_flows(tiles, assignment, node):
@@ -108,3 +109,26 @@ def test_config_dense_placement_reaches_plan_pool_with_the_pool_nodes():
     assert planned.exchange is planned.placement.exchange  # the placer's plan is reused, not rebuilt
     with pytest.raises(ValueError, match="worker_nodes names 3 workers, the pool has 4"):
         place_tiles(planned.tiles, config.tau, TilePlacement.DENSE, timing=StepTimeModel(16, worker_nodes=(0, 0, 1)))
+
+
+@pytest.fixture(scope="module")
+def wiki_pool():
+    return wiki_tiles()
+
+
+def test_dense_placement_ends_with_time_moves_kept_only_when_the_plans_price_them_faster(wiki_pool, monkeypatch):
+    """After the node export, ``DENSE_TIME_ROUNDS`` rounds of the time-aware search lower the slowest worker
+    on a real-trace pool; a search result the exchange plans price slower is dropped."""
+    model = StepTimeModel(16, attn_tflops=0.1, intra_node_gbps=3, inter_node_gbps=0.5, gpus_per_node=4)  # compute-bound
+    moved = place_tiles(wiki_pool, 0.03, TilePlacement.DENSE, timing=model)
+    monkeypatch.setattr(placement, "DENSE_TIME_ROUNDS", 0)
+    exported = place_tiles(wiki_pool, 0.03, TilePlacement.DENSE, timing=model)
+    assert not np.array_equal(moved.assignment, exported.assignment)
+    assert _plan_seconds(wiki_pool, moved.assignment, model).max() < _plan_seconds(wiki_pool, exported.assignment,
+                                                                                   model).max()
+    np.testing.assert_allclose(plan_worker_seconds(moved.exchange, model), _plan_seconds(wiki_pool, moved.assignment,
+                                                                                         model))
+    crowded = np.zeros(wiki_pool.num_tiles, dtype=np.int64)  # every tile on worker 0: far slower
+    monkeypatch.setattr(placement, "time_moves", lambda tiles, assignment, timing, rounds, width: crowded)
+    np.testing.assert_array_equal(place_tiles(wiki_pool, 0.03, TilePlacement.DENSE, timing=model).assignment,
+                                  exported.assignment)

@@ -53,6 +53,23 @@ def test_incremental_state_prices_the_exchange_plans_traffic_exactly(pool):
 
 @given(pools())
 @settings(**SETTINGS)
+def test_whole_assignment_state_is_what_moving_tiles_one_at_a_time_sums_to(pool):
+    """The search builds its state for a whole assignment at once; starting from a random other assignment and
+    moving every tile to its place one ``move`` at a time (the search's incremental deltas) lands on the same
+    per-worker state and the same prefix selections."""
+    _, _, heads, tiles, assign, rng = pool
+    model = StepTimeModel(heads.head_dim, **SLOW)
+    moved = _PoolTraffic(tiles, rng.integers(0, tiles.num_workers, tiles.num_tiles), model)
+    for t, w in enumerate(np.asarray(assign).tolist()):
+        moved.move(t, w)
+    whole = _PoolTraffic(tiles, assign, model)
+    np.testing.assert_allclose(moved.state, whole.state, rtol=1e-9, atol=1e-9 * max(1.0, np.abs(whole.state).max()))
+    assert {k: v for k, v in moved.ends.items() if v} == {k: v for k, v in whole.ends.items() if v}
+    assert {g: w for g, w in moved.fetchers.items() if w} == {g: w for g, w in whole.fetchers.items() if w}
+
+
+@given(pools())
+@settings(**SETTINGS)
 def test_time_placement_is_never_slower_than_alg2_under_the_model(pool):
     _, _, heads, tiles, _, _ = pool
     model = StepTimeModel(heads.head_dim, first_gpu=1, **SLOW)
@@ -65,6 +82,10 @@ def test_time_placement_is_never_slower_than_alg2_under_the_model(pool):
 
 @pytest.fixture(scope="module")
 def wiki_pool():
+    return wiki_tiles()
+
+
+def wiki_tiles():
     """4 packed 8K sequences of the real Wikipedia trace, each with a 3.4K-5.2K-token document."""
     docs = load_trace(find_trace("wikipedia-flexsp.txt"))[:20000]
     seqs = pack_documents(docs, 8192, "megatron", 1234)
