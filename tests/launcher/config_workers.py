@@ -201,8 +201,8 @@ def _build_and_step(hooks, args, reference: bool) -> dict:
 
 def _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=False) -> dict:
     """One microbatch through pretrain_gpt.forward_step + loss_func and backward: loss, gradient stats and the
-    bytes this step's plan sent between the pool's ranks (summed over ranks). ``forward_step``'s globals are
-    swapped by the patch point for the running release and restored afterwards."""
+    bytes this step's plan sent between the pool's ranks and the Libra plans it ran (both summed over ranks).
+    ``forward_step``'s globals are swapped by the patch point for the running release and restored afterwards."""
     import dataclasses
 
     import torch
@@ -213,7 +213,7 @@ def _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=
 
     model.zero_grad(set_to_none=True)
     data = iter(training.build_pretraining_data_loader(train_ds, 0))  # the patched (Libra) loader
-    sent = []
+    sent, planned = [], []
 
     def make_recorded(original):
         get_batch = hooks.make_get_batch(original)
@@ -221,6 +221,7 @@ def _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=
         def recorded(data_iterator, vp_stage=None):
             *rest, packed = get_batch(data_iterator, vp_stage)
             sent.append(0 if packed.libra_plan is None else sum(packed.libra_plan.bytes_sent))
+            planned.append(packed.libra_plan is not None)
             return (*rest, dataclasses.replace(packed, libra_plan=None) if drop_plan else packed)
 
         return recorded
@@ -233,11 +234,12 @@ def _forward_backward(model, pretrain_gpt, training, train_ds, hooks, drop_plan=
         (loss / num_tokens).backward()
     finally:
         vars(pretrain_gpt).update(saved)
-    totals = torch.tensor([float(report["lm loss"][0]), float(report["lm loss"][1]), float(sum(sent))],
-                          dtype=torch.float64)
+    totals = torch.tensor([float(report["lm loss"][0]), float(report["lm loss"][1]), float(sum(sent)),
+                           float(sum(planned))], dtype=torch.float64)
     dist.all_reduce(totals)
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None)))
     return {"loss": float(totals[0] / totals[1]), "grad_norm": norm, "plan_bytes_sent": float(totals[2]),
+            "plans": float(totals[3]),
             "params_without_grad": sum(g is None for g in grads),
             "finite": all(bool(torch.isfinite(g).all()) for g in grads if g is not None)}
