@@ -703,7 +703,7 @@ def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_sende
         lead, seconds = _lead(peers, hosted, heads, timing)
         if timing.kv_relay:
             sets = [relay_senders] if relay_senders is not None else \
-                [None] + [seconds >= cut * seconds.max() for cut in RELAY_SENDER_CUTS]
+                [None] + _distinct([seconds >= cut * seconds.max() for cut in RELAY_SENDER_CUTS])
             best = None
             for senders in sets:
                 hop1, runs = _relay_runs(kv_runs, timing.nodes(W), senders)
@@ -736,6 +736,15 @@ def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_sende
         arranged_q_units=_frozen(q_len), arranged_kv_units=_frozen(kv_len),
         peer_units=peers, hosted_pair_heads=hosted, local_lead=lead, relay_units=relay_units,
     )
+
+
+def _distinct(masks: list) -> list:
+    """``masks`` without the ones equal to an earlier one (the same relay set priced once)."""
+    out = []
+    for mask in masks:
+        if not any(np.array_equal(mask, seen) for seen in out):
+            out.append(mask)
+    return out
 
 
 def _lead(peer_units, hosted_pair_heads, heads: HeadLayout, timing, relay_units=None):

@@ -74,22 +74,14 @@ def _home_local_flops(tiles: TileSet) -> np.ndarray:
 
 def _tile_refs(tiles: TileSet):
     """Every tile's K/V references as flat lists (tile, group, kv end), tile-major, each tile's in
-    ``tiles.tile_kv_refs`` order (its block's fragments)."""
+    ``tiles.tile_kv_refs`` order (its block's fragments), and int64 [T + 1] offsets of each tile's."""
     H, G = tiles.head_split, tiles.num_kv_classes
-    nfrag = np.diff(tiles.frag_ptr)
-    frag = expand_ranges(np.repeat(tiles.frag_ptr[:-1], H), np.repeat(nfrag, H))  # fragments of tile 0, 1, ...
-    tile = np.repeat(np.arange(tiles.num_tiles, dtype=np.int64), np.repeat(nfrag, H))
+    per_tile = np.repeat(np.diff(tiles.frag_ptr), H)
+    frag = expand_ranges(np.repeat(tiles.frag_ptr[:-1], H), per_tile)  # fragments of tile 0, 1, ...
+    tile = np.repeat(np.arange(tiles.num_tiles, dtype=np.int64), per_tile)
     group = tiles.frag_doc[frag] * G + tiles.heads.kv_class_of_shard()[tile % H]
-    return tile.tolist(), group.tolist(), tiles.frag_kv_end[frag].tolist()
-
-
-def _runs(sorted_keys: List[int]):
-    """(key, start, end) of the runs of equal keys in a sorted list."""
-    start = 0
-    for i in range(1, len(sorted_keys) + 1):
-        if i == len(sorted_keys) or sorted_keys[i] != sorted_keys[start]:
-            yield sorted_keys[start], start, i
-            start = i
+    ptr = np.concatenate([[0], np.cumsum(per_tile)])
+    return tile.tolist(), group.tolist(), tiles.frag_kv_end[frag].tolist(), ptr.tolist()
 
 
 class _PoolTraffic:
@@ -106,10 +98,8 @@ class _PoolTraffic:
         self.home_local = model.compute_seconds(_home_local_flops(tiles)).tolist()
         self.kv_bytes = float(heads.kv_bytes_per_token())
         self.G = tiles.num_kv_classes
-        ref_tile, ref_group, ref_end = _tile_refs(tiles)
-        self.refs = [()] * tiles.num_tiles
-        for t, lo, hi in _runs(ref_tile):
-            self.refs[t] = tuple(zip(ref_group[lo:hi], ref_end[lo:hi]))
+        ref_tile, ref_group, ref_end, ref_ptr = _tile_refs(tiles)
+        self.refs = [tuple(zip(ref_group[lo:hi], ref_end[lo:hi])) for lo, hi in zip(ref_ptr[:-1], ref_ptr[1:])]
         ptr = tiles.doc_home_ptr
         self.holders = [tuple(zip(tiles.doc_home_worker[ptr[d]:ptr[d + 1]].tolist(),
                                   tiles.doc_home_offset[ptr[d]:ptr[d + 1]].tolist(),
