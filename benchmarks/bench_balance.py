@@ -32,13 +32,8 @@ from libra_megatron.config import KvFetch, SequencePlacement, TilingPolicy  # no
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences, pool_loads  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
-from libra_megatron.plan.workload import (  # noqa: E402
-    imbalance,
-    pool_lower_bound,
-    pool_lower_bound_counting,
-    sequence_flops,
-)
-from libra_megatron.sim.cost import CostModel  # noqa: E402
+from libra_megatron.plan.model import (StepTimeModel, imbalance, pool_lower_bound, pool_lower_bound_counting,
+                                       sequence_flops)  # noqa: E402
 from libra_megatron.sim.runner import MODEL_PRESETS, ModelDims, SimSpec, run_simulation  # noqa: E402
 
 LINUX, WIKI = "linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"
@@ -88,7 +83,7 @@ def case_spec(case, windows, head_splits=(1,), tilings=tuple(TilingPolicy), fetc
     hq, hkv, d = MODEL_PRESETS[MODEL]
     return SimSpec(seq_len=seq_len, global_batch_size=gbs, data_parallel_size=dp, context_parallel_size=cp,
                    pool_sizes=(POOL_SIZE,), head_splits=tuple(head_splits), block_sizes=(block,),
-                   dims=ModelDims(hq, hkv, d, 2), cost=CostModel(head_dim=d, num_chunks=4, kv_relay=False), taus=(TAU,),
+                   dims=ModelDims(hq, hkv, d, 2), cost=StepTimeModel(head_dim=d, kv_relay=False), taus=(TAU,),
                    tilings=tuple(tilings), kv_fetches=tuple(fetches), max_windows=windows, distca=False,
                    memory_limit_gib=8.0)
 

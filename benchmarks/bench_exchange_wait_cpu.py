@@ -58,7 +58,7 @@ def instances(args):
 
 
 def assignments(pools, args, method, timing=None):
-    from libra_megatron.plan.placement import place_tiles
+    from libra_megatron.plan.tiles import place_tiles
 
     return [place_tiles(pool_tiles(segs, args)[1], 0.03, method, timing=timing).assignment for segs in pools]
 
@@ -114,7 +114,7 @@ def bench_rank(rank, world_size, pools, plans, args, probe):
 # ============================================================================ model side
 def predicted(pools, per_instance, args, cost):
     """[instances, W] (compute, exposed) seconds from the simulator's pool pricing of the same plans."""
-    from libra_megatron.plan.placement import TilePlacementResult
+    from libra_megatron.plan.tiles import TilePlacementResult
     from libra_megatron.sim.pools import pool_result
 
     comp, exp = [], []
@@ -128,13 +128,13 @@ def predicted(pools, per_instance, args, cost):
 
 
 def fitted_cost(pools, per_instance, args, measured_kernel, bytes_per_s):
-    from libra_megatron.sim.cost import CostModel
+    from libra_megatron.plan.model import StepTimeModel
 
     pair_heads = sum(float(pool_tiles(segs, args)[1].tile_flops().sum()) for segs in pools)
     flops_per_s = 4.0 * args.d * pair_heads / float(np.sum(measured_kernel))
-    return CostModel(head_dim=args.d, attn_tflops=flops_per_s / 1e12, intra_node_gbps=bytes_per_s / 1e9,
-                     inter_node_gbps=bytes_per_s / 1e9, gpus_per_node=W, num_chunks=args.num_chunks,
-                     kv_relay=False)  # one node, and the ranks execute direct plans
+    return StepTimeModel(head_dim=args.d, attn_tflops=flops_per_s / 1e12, intra_node_gbps=bytes_per_s / 1e9,
+                         inter_node_gbps=bytes_per_s / 1e9, gpus_per_node=W,
+                         kv_relay=False)  # one node, and the ranks execute direct plans
 
 
 def _report(method, measured, comp, exp):
@@ -176,7 +176,7 @@ def run(argv=None) -> int:
           f"per rank (all_to_all probe); {args.instances} instances of P={P} x {args.seq_len} tokens, CP={CP}, "
           f"H={args.head_split}, M={args.num_chunks}, B={args.block_size}, {args.trace}")
     _report("alg2", measured, *predicted(pools, plans["alg2"], args, cost))
-    timed = {"time": assignments(pools, args, TilePlacement.TIME, cost.step_time_model(0))}
+    timed = {"time": assignments(pools, args, TilePlacement.TIME, cost.at_gpu(0))}
     second = run_distributed(bench_rank, W, pools, timed, args, False, timeout=1800)
     measured_t = np.stack([np.asarray(second[r]["time"]) for r in range(W)], axis=1)
     _report("time", measured_t, *predicted(pools, timed["time"], args, cost))

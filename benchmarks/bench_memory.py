@@ -3,7 +3,7 @@
 For every pool (linux-6.12 trace, Megatron packing, GBS windows placed by refined VRSP, P=8, the shipped
 ``configs/libra/{256k,1m}.yaml`` knobs, Qwen3-30B-A3B attention: hq=32, hkv=4, d=128, bf16) it plans the
 pool exactly as the background planner does and prints, per save mode, the bytes the *worst rank* keeps
-for backward in one layer (``plan.memory``, which the runtime tests check equal to what the operator
+for backward in one layer (``plan.model.memory``, which the runtime tests check equal to what the operator
 saves), the local q/k/v/out of one rank for scale, what ``save_mode=auto`` picks at the default budget over
 48 layers, and the host index tables of that worst rank (the runtime uploads them as int32; at most
 ``set_table_cache_size`` plans' tables live on the device).
@@ -22,13 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from libra_megatron.config import LibraConfig, SaveModeName  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
-from libra_megatron.plan.memory import choose_save_mode, predicted_saved_bytes  # noqa: E402
+from libra_megatron.plan.model import choose_save_mode, predicted_saved_bytes, sequence_flops  # noqa: E402
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
 from libra_megatron.plan.pool import plan_pool  # noqa: E402
-from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
+from libra_megatron.plan.exchange import build_rank_tables  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
-from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 
 GIB = float(1 << 30)
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

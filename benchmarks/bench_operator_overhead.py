@@ -95,7 +95,7 @@ def memory_rank(rank, world_size, seq_len, seed):
     """Per-rank bytes saved for backward (both SaveModes) and fwd+bwd CPU time, P=2 CP=2 pool, Alg. 2."""
     from libra_megatron.config import TilePlacement
     from libra_megatron.plan.packing import pack_documents
-    from libra_megatron.plan.placement import place_tiles
+    from libra_megatron.plan.tiles import place_tiles
     from libra_megatron.plan.traces import load_trace
     from libra_megatron.runtime import SaveMode
 

@@ -14,11 +14,9 @@ import time
 
 import numpy as np
 
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import build_exchange_plan, validate_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.placement import place_tiles
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.validate import validate_plan
+from libra_megatron.plan.tiles import build_tiles, place_tiles
 
 from libra_megatron.testing.traces import packed_trace_segments
 

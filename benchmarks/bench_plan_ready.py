@@ -2,7 +2,7 @@
 
 What the background planner thread does per pool when it knows the rank's worker id (``worker=``,
 passed by ``build_planner_from_args``): ``plan_pool`` (tiles, Alg. 2, exchange plan), then
-``exchange.for_rank(w)`` and ``plan.rank_tables.rank_tables`` (row runs, O(runs)). The pool's window
+``exchange.for_rank(w)`` and ``plan.exchange.runtime_tables.rank_tables`` (row runs, O(runs)). The pool's window
 arrives -> the first pool's own plan is ready after exactly this much work (later pools of the window
 queue behind it while earlier microbatches compute). Not on the planner thread, so not in "ready": the
 runtime expands the run tables into index tensors at the plan's first use (``runtime.routes``; device
@@ -34,10 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_balance import pack  # noqa: E402
 from bench_planner import FULL_GC, between_pools, pools_of, set_gc_mode  # noqa: E402
 from libra_megatron.config import LibraConfig  # noqa: E402
-from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
+from libra_megatron.plan.exchange import build_exchange_plan, build_rank_tables  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
 from libra_megatron.plan.pool import plan_pool  # noqa: E402
-from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.runtime.routes import upload_tables  # noqa: E402
 

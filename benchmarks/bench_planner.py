@@ -33,18 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_balance import pack  # noqa: E402
-from libra_megatron.plan.sync import SyncLayout  # noqa: E402
+from libra_megatron.plan.sequences import SyncLayout, place_sequences  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.config import KvFetch, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
-from libra_megatron.plan.placement import place_tiles  # noqa: E402
-from libra_megatron.plan.sequences import place_sequences  # noqa: E402
-from libra_megatron.plan.tiles import build_tiles  # noqa: E402
-from libra_megatron.plan.workload import sequence_flops  # noqa: E402
+from libra_megatron.plan.tiles import build_tiles, place_tiles  # noqa: E402
+from libra_megatron.plan.model import StepTimeModel, sequence_flops  # noqa: E402
 
-from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
-from libra_megatron.plan.timing import StepTimeModel  # noqa: E402
-from libra_megatron.plan.rank_tables import build_rank_tables  # noqa: E402
+from libra_megatron.plan.exchange import build_exchange_plan, build_rank_tables  # noqa: E402
 from libra_megatron.runtime.routes import upload_tables  # noqa: E402
 
 POOL_SIZE = 8
@@ -197,7 +193,7 @@ def bench_vrsp(flops, reps):
         ms = [timed(place_sequences, flops, POOL_SIZE, method)[1] for _ in range(reps)]
         print(f"VRSP {method.value:<8} GBS={gbs} P={POOL_SIZE}: median {np.median(ms):.2f} ms "
               f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
-    for dp, pp in SYNC_LAYOUTS:  # sync: lanes of P replicas over GA = GBS/DP steps (plan/lanes.py)
+    for dp, pp in SYNC_LAYOUTS:  # sync: lanes of P replicas over GA = GBS/DP steps (plan/sequences/lanes.py)
         layout = SyncLayout(dp, POOL_SIZE, gbs // dp, pipeline_parallel_size=pp)
         ms = [timed(place_sequences, flops, POOL_SIZE, SequencePlacement.SYNC, layout)[1] for _ in range(reps)]
         print(f"VRSP sync     GBS={gbs} P={POOL_SIZE} DP={dp} GA={gbs // dp} PP={pp}: median {np.median(ms):.2f} ms "

@@ -4,7 +4,7 @@ Run:  .venv/bin/python benchmarks/bench_sim.py --trace data/traces/linux-6.12-fi
 
 Setting: L=256K, GBS=128, DP=32, CP=8, P in {4, 8}, H in {1, 2}, B=4096, qwen3-30b-a3b heads. Prints the
 seconds per window for jobs=1 and jobs=2 side by side (and their ratio), the share of wall time spent in
-``plan.placement.place_tiles``, and checks that both runs produce identical JSON.
+``plan.tiles.placement.place_tiles``, and checks that both runs produce identical JSON.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ processed as GBS/4 pool instances (gradient-accumulation micro-steps):
     tap+vrsp  Libra, sequences reordered by place_sequences (VRSP, refined), then Algorithm 2
     tap (calibrated), tap+vrsp (calibrated)
               the same pools, Algorithm 2 balancing calibrated seconds (``place_tiles(tile_cost=...)`` with
-              ``plan.cost.TileCostModel.tile_costs``) instead of Eq. 6 pair-heads (review objection 2)
+              ``plan.model.kernel_cost.TileCostModel.tile_costs``) instead of Eq. 6 pair-heads (review objection 2)
 Each rank measures the thread CPU time spent *inside attention kernel calls* (forward + backward),
 so communication and the 2-core oversubscription do not pollute it. Step model (same for measured and
 predicted): Ulysses replicas only meet at the end of the step -> max over replicas of their summed time;
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from libra_megatron.cli import ArgumentParser, run_cli  # noqa: E402
 from libra_megatron.paths import check_input_file, check_output_file, read_json  # noqa: E402
-from libra_megatron.plan.cost import TileCostModel, entry_features, tile_features  # noqa: E402
+from libra_megatron.plan.model import TileCostModel, entry_features, tile_features  # noqa: E402
 from libra_megatron.plan.traces import find_trace  # noqa: E402
 from libra_megatron.testing.dist import run_distributed  # noqa: E402
 
@@ -56,7 +56,7 @@ def packed_step(seq_len: int, gbs: int, seed: int, trace: str = TRACE):
 
 def step_orders(seqs):
     from libra_megatron.plan.sequences import place_sequences
-    from libra_megatron.plan.workload import sequence_flops
+    from libra_megatron.plan.model import sequence_flops
 
     flops = sequence_flops(seqs)
     vrsp = place_sequences(flops, P)
@@ -86,7 +86,7 @@ def _heads(args):
 def plan_assignments(seqs, orders, args, model: TileCostModel):
     """{mode: [assignment int64 [num_tiles] per instance]} for the Libra modes (Algorithm 2)."""
     from libra_megatron.config import TilePlacement
-    from libra_megatron.plan.placement import place_tiles
+    from libra_megatron.plan.tiles import place_tiles
 
     out = {}
     for mode, order in orders.items():
@@ -102,7 +102,7 @@ def plan_assignments(seqs, orders, args, model: TileCostModel):
 
 
 def rank_features(seqs, orders, assignments, args):
-    """{mode: float64 [instances, W, 4]} per-rank kernel features (``plan.cost.FEATURES``), fwd+bwd."""
+    """{mode: float64 [instances, W, 4]} per-rank kernel features (``plan.model.kernel_cost.FEATURES``), fwd+bwd."""
     out = {}
     for mode, order in orders.items():
         rows = []

@@ -30,11 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
-from libra_megatron.plan.placement import assignment_comm_bytes, place_tiles  # noqa: E402
+from libra_megatron.plan.tiles import assignment_comm_bytes, build_tiles, place_tiles  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
-from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
-from libra_megatron.plan.workload import sequence_flops  # noqa: E402
+from libra_megatron.plan.model import sequence_flops  # noqa: E402
 
 CASES = (  # name, trace, L, GBS, CP, B
     ("linux-256K", "linux-6.12-files.qwen.txt", 256 * 1024, 128, 8, 4096),

@@ -1,4 +1,4 @@
-"""Calibrate ``plan.cost.TileCostModel`` for the torch varlen backend on this CPU (review objection 2).
+"""Calibrate ``plan.model.kernel_cost.TileCostModel`` for the torch varlen backend on this CPU (review objection 2).
 
 Times ``runtime.kernels.varlen_fwd`` + ``varlen_bwd`` (torch backend, one thread, thread CPU time) on
 single-process varlen batches of varied shapes -- 1 to 256 entries, 256 to 4096 query rows, key prefixes
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from libra_megatron.cli import ArgumentParser, run_cli  # noqa: E402
 from libra_megatron.paths import check_output_file  # noqa: E402
-from libra_megatron.plan.cost import FEATURES, entry_features, fit_tile_cost_model  # noqa: E402
+from libra_megatron.plan.model import FEATURES, entry_features, fit_tile_cost_model  # noqa: E402
 
 ENTRY_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOTAL_ROWS = (256, 512, 1024, 2048, 4096)

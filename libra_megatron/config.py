@@ -40,7 +40,7 @@ class SequencePlacement(str, enum.Enum):
     CONTIGUOUS = "contiguous"  # sampler order, no balancing (VRSP off)
     ALG1 = "alg1"  # the paper's exact-cardinality LPT, Algorithm 1
     REFINED = "refined"  # Algorithm 1 followed by pairwise-swap refinement; never worse than ALG1
-    SYNC = "sync"  # balance what the step waits for: lane totals, then each lane's microbatches (plan.lanes);
+    SYNC = "sync"  # balance what the step waits for: lane totals, then each lane's microbatches (plan.sequences.lanes);
     # per instance (REFINED) where an EP group ties lanes
 
 
@@ -50,7 +50,7 @@ class TilePlacement(str, enum.Enum):
     HOME = "home"  # no migration: every tile runs at its Q-home (TAP off)
     ALG2 = "alg2"  # the paper's communication-aware greedy, Algorithm 2
     REFINED = "refined"  # Algorithm 2 then local moves that lower max load, never worse than ALG2
-    TIME = "time"  # Algorithm 2 then moves that lower the slowest worker's compute + exposed comm (plan.timeaware)
+    TIME = "time"  # Algorithm 2 then moves that lower the slowest worker's compute + exposed comm (plan.tiles.timeaware)
     DENSE = "dense"  # Algorithm 2, node export of the densest tiles, then time-aware moves; each kept when faster
 
 
@@ -83,6 +83,11 @@ class TokenLayoutKind(str, enum.Enum):
 
     CONTIGUOUS = "contiguous"  # rank c holds [c*L/CP, (c+1)*L/CP)
     ZIGZAG = "zigzag"  # Megatron's 2*CP chunks: rank c holds chunks c and 2*CP-1-c
+
+    def num_cp_chunks(self, cp: int) -> int:
+        """CP chunks a packed sequence is cut into: 2*CP for zigzag with CP > 1, else CP (the one statement of
+        the rule: ``plan.layout.TokenLayout``, the Megatron batch and the simulator read it here)."""
+        return 2 * cp if self is TokenLayoutKind.ZIGZAG and cp > 1 else cp
 
 
 class TilingPolicy(str, enum.Enum):
@@ -162,10 +167,10 @@ class LibraConfig:
     """Load slack of Algorithm 2: target C = (1+tau)*mean worker load. Paper default 0.03."""
     sequence_placement: SequencePlacement = SequencePlacement.SYNC
     """Inter-pool placement of packed sequences: contiguous | alg1 | refined | sync (balance lane totals and
-    each lane's microbatches, per instance where EP ties lanes; ``plan.lanes``)."""
+    each lane's microbatches, per instance where EP ties lanes; ``plan.sequences.lanes``)."""
     tile_placement: TilePlacement = TilePlacement.ALG2
     """Intra-pool SH-Tile placement: home | alg2 | refined | time (Alg. 2, then moves that lower the predicted
-    slowest worker's compute + exposed comm under ``plan.timing``'s default rates; never slower than alg2 there)."""
+    slowest worker's compute + exposed comm under ``plan.model.timing``'s default rates; never slower than alg2 there)."""
     packing: PackingMode = PackingMode.MEGATRON
     """Packing used by the simulator and synthetic corpora; GPTDataset training always packs megatron-style."""
     kernel_backend: KernelBackendName = KernelBackendName.AUTO
@@ -291,9 +296,7 @@ class LibraConfig:
             )
 
     def _validate_layout(self, seq_length: int, cp: int) -> None:
-        from .plan.layout import TokenLayout  # the one CP-chunk rule (plan imports config, not at import time)
-
-        chunks = TokenLayout.cp_chunk_count(self.token_layout, cp)
+        chunks = self.token_layout.num_cp_chunks(cp)
         if seq_length % chunks:
             raise ValueError(
                 f"--seq-length {seq_length} must be divisible by {chunks} CP chunks "

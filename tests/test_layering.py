@@ -1,4 +1,6 @@
-"""Import direction (STYLE.md): plan/ and sim/ are torch-free; only megatron/ imports megatron."""
+"""Import direction (docs/architecture.md, STYLE.md): plan/ and sim/ are torch-free; only megatron/ imports
+megatron; no import circle anywhere in libra_megatron; plan's rooms are entered through their faces; no file
+over 500 lines; the default rates are stated once."""
 import ast
 import os
 import subprocess
@@ -31,7 +33,8 @@ def test_plan_and_sim_import_without_torch_or_megatron():
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", FRESH_IMPORT], capture_output=True, text=True, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for module in ("plan.workload", "plan.sequences", "plan.placement", "plan.tiles"):
+    for module in ("plan.model.workload", "plan.sequences.vrsp", "plan.tiles.placement", "plan.tiles.tiles",
+                   "plan.exchange.builder", "sim.runner"):
         assert "libra_megatron." + module in proc.stdout
 
 
@@ -107,9 +110,10 @@ def test_patches_resolve_as_libra_megatron_patches():
 
 def test_import_scanner_sees_relative_and_absolute_imports():
     # the checker itself must be able to fail: it resolves both import styles
-    assert "numpy" in _imports(PACKAGE / "plan" / "workload.py")
-    sample = PACKAGE / "plan" / "placement.py"
-    assert "libra_megatron.plan.tiles" in _imports(sample)
+    assert "numpy" in _imports(PACKAGE / "plan" / "model" / "workload.py")
+    sample = PACKAGE / "plan" / "tiles" / "placement.py"
+    assert "libra_megatron.plan.tiles.alg2" in _imports(sample)
+    assert "libra_megatron.plan.exchange" in _imports(sample)
     assert "libra_megatron.config.TilePlacement" in _imports(sample)
 
 
@@ -128,3 +132,137 @@ def test_nothing_outside_testing_imports_testing():
     assert offenders == []
     # the scanner resolves the relative imports testing/ itself uses
     assert "libra_megatron.testing.cpu_shims" in _imports(testing / "train_cpu.py")
+
+
+# ---- the module graph: no circle, faces, sizes -------------------------------------------------------------------
+
+ROOMS = ("sequences", "tiles", "exchange", "model")  # plan's sub-packages (docs/architecture.md)
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = _module_parts(path)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph(files=None):
+    """{module: set of modules it imports} over ``files`` (default: every file of libra_megatron and patches/),
+    lazy imports included. An import points at the longest module of the set it names (``from .x import f`` ->
+    ``.x``; ``from .room import f`` -> the room's ``__init__``); the parent packages Python initialises on the
+    way are not edges (a package's own files are loaded while it initialises)."""
+    files = files if files is not None else _files() + sorted(PATCHES.rglob("*.py"))
+    modules = {_module_name(f): f for f in files}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in _imports(path):
+            parts = imported.split(".")
+            for cut in range(len(parts), 0, -1):
+                target = ".".join(parts[:cut])
+                if target in modules:
+                    if target != name:
+                        edges.add(target)
+                    break
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph):
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1
+        stack.append(root); on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]; counter[0] += 1
+                    stack.append(child); on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop(); on_stack.discard(member); component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_circle_in_libra_megatron():
+    graph = _graph()
+    assert len(graph) > 80  # every file was scanned
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_circle(tmp_path):
+    # the checker must be able to fail: two files of a package importing each other, and a longer ring
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_rooms_are_entered_through_their_faces():
+    """Outside ``plan/<room>/``, libra_megatron imports a room by its ``__init__`` only."""
+    offenders = []
+    for name, targets in _graph().items():
+        for target in targets:
+            parts = target.split(".")
+            if len(parts) == 4 and parts[:2] == ["libra_megatron", "plan"] and parts[2] in ROOMS:
+                room = ".".join(parts[:3])
+                if name != room and not name.startswith(room + "."):
+                    offenders.append((name, target))
+    assert offenders == []
+    # the rule can fail: a room's private module seen from outside is an offender
+    sample = _graph([PACKAGE / "plan" / "tiles" / "placement.py", PACKAGE / "plan" / "tiles" / "alg2.py"])
+    assert "libra_megatron.plan.tiles.alg2" in sample["libra_megatron.plan.tiles.placement"]
+
+
+def test_plan_rooms_import_in_one_direction():
+    """sequences and tiles may use exchange and model; exchange uses model; model uses no other room."""
+    allowed = {"sequences": {"model"}, "tiles": {"exchange", "model"}, "exchange": {"model"}, "model": set()}
+    offenders = []
+    for name, targets in _graph().items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[:2] != ["libra_megatron", "plan"] or parts[2] not in ROOMS:
+            continue
+        for target in targets:
+            t = target.split(".")
+            if t[:2] == ["libra_megatron", "plan"] and len(t) > 2 and t[2] in ROOMS and t[2] != parts[2] \
+                    and t[2] not in allowed[parts[2]]:
+                offenders.append((name, target))
+            if t[:2] == ["libra_megatron", "plan"] and len(t) > 2 and t[2] == "pool":
+                offenders.append((name, target))
+    assert offenders == []
+
+
+def test_no_file_over_500_lines():
+    long = {str(f.relative_to(PACKAGE)): n for f in _files()
+            if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_default_rates_are_stated_once():
+    """The default rates are assigned in plan/model/rates.py and nowhere else; the simulator's flags read them."""
+    names = {"DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"}
+    homes = []
+    for f in _files():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                homes += [(str(f.relative_to(PACKAGE)), t.id) for t in targets
+                          if isinstance(t, ast.Name) and t.id in names]
+    assert sorted(homes) == sorted(("plan/model/rates.py", n) for n in names)
+    assert "libra_megatron.plan.model.DEFAULT_ATTN_TFLOPS" in _imports(PACKAGE / "sim" / "__main__.py")

@@ -10,11 +10,11 @@ section runs. Sections:
                FlashAttention's rule (error <= 2 x the error of naive same-dtype attention)
   sync_free    libra_attn_func at world size 1, 3 x fwd+bwd under torch.cuda.set_sync_debug_mode("error")
   overhead     P=1 libra_attn_func / bare varlen kernel, fwd+bwd, median ratio (target <= 1.10)
-  calibration  the simulator's calibration table (sim.cost.CalibrationTable JSON) -> calibration.json
+  calibration  the simulator's calibration table (plan.model.CalibrationTable JSON) -> calibration.json
   straggler    real 256K P=8 CP=8 pools from the shipped trace: every worker's hosted tiles replayed in
                turn (M chunk calls, fwd and fwd+bwd) vs Ulysses per-rank calls on the same sequences;
                measured max/mean next to the simulator's prediction (Eq. 6 and calibrated seconds)
-  memory       peak and retained memory of one layer (P=1, real 256K sequence) per save mode vs plan.memory
+  memory       peak and retained memory of one layer (P=1, real 256K sequence) per save mode vs plan.model.memory
   tables       the heaviest rank's run tables of a real 1M pool (shipped knobs) expanded on the device under
                set_sync_debug_mode("error"): rows equal the host expansion; upload + expansion time
   exchange     a real multi-worker pool: P worker processes on gloo (one GPU each when P GPUs are visible,
@@ -43,19 +43,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from libra_megatron.config import LibraConfig, TilePlacement  # noqa: E402
-from libra_megatron.plan.exchange import build_exchange_plan  # noqa: E402
+from libra_megatron.plan.exchange import build_exchange_plan, build_rank_tables, rank_tables  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
-from libra_megatron.plan.memory import saved_bytes_per_rank  # noqa: E402
+from libra_megatron.plan.model import saved_bytes_per_rank, sequence_flops  # noqa: E402
 from libra_megatron.plan.packing import pack_documents  # noqa: E402
 from libra_megatron.plan.pool import plan_pool  # noqa: E402
-from libra_megatron.plan.rank_tables import build_rank_tables, rank_tables  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
 from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
-from libra_megatron.plan.workload import sequence_flops  # noqa: E402
 from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
-from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, varlen_attn_func  # noqa: E402
-from libra_megatron.runtime.kernels import torch_flash  # noqa: E402
+from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_flash, varlen_attn_func  # noqa: E402
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
@@ -248,7 +245,7 @@ def section_calibration(ctx: Ctx) -> dict:
     table = {"device": name, "head_dim": d, "entries": entries}
     with open(os.path.join(ctx.out_dir, "calibration.json"), "w") as fh:
         json.dump(table, fh, indent=1)
-    from libra_megatron.sim.cost import CalibrationTable
+    from libra_megatron.plan.model import CalibrationTable
 
     ctx.calibration = CalibrationTable.from_mapping(table)
     return {"entries": len(entries), "file": "calibration.json", "log": log}
@@ -302,7 +299,7 @@ def _ratio(x) -> float:
 
 def section_straggler(ctx: Ctx) -> dict:
     from libra_megatron.sim.baselines import sequence_pair_heads
-    from libra_megatron.sim.cost import CostModel
+    from libra_megatron.plan.model import StepTimeModel
     from libra_megatron.sim.pools import pool_result
 
     sh = ctx.shape
@@ -327,7 +324,7 @@ def section_straggler(ctx: Ctx) -> dict:
         for label, table in (("400tflops", None), ("calibrated", ctx.calibration)):
             if label == "calibrated" and table is None:
                 continue
-            cost = CostModel(head_dim=sh["head_dim"], num_chunks=4, calibration=table)
+            cost = StepTimeModel(head_dim=sh["head_dim"], calibration=table, kv_relay=True)
             row[f"pred_{label}_libra"] = _ratio(pool_result(plan.tiles, plan.placement, cost, 0).compute_seconds)
             row[f"pred_{label}_libra_max_s"] = float(pool_result(plan.tiles, plan.placement, cost, 0).compute_seconds.max())
         row["measured_libra_fwd_max_s"] = max(f for f, _ in libra)
@@ -411,7 +408,7 @@ def section_tables(ctx: Ctx) -> dict:
 def _exchange_pool(ctx: Ctx, num_workers: int):
     """(segments, heads, exchange plan) of a skewed pool: sequence 0 is one long document, the others short
     ones, so Alg. 2 moves tiles off worker 0 and every chunk exchanges Q, K|V and O."""
-    from libra_megatron.plan.placement import place_tiles
+    from libra_megatron.plan.tiles import place_tiles
 
     sh = ctx.shape
     L = sh["memory_len"] // 4 if not ctx.dry else sh["seq_len"]

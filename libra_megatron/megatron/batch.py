@@ -52,7 +52,7 @@ def cp_shard_indices(seq_len: int, cp: int, cp_rank: int, layout) -> np.ndarray:
     layout = TokenLayoutKind(layout)
     if cp < 1 or not 0 <= cp_rank < cp:
         raise ValueError(f"CP rank {cp_rank} must lie in [0, CP={cp})")
-    chunks = TokenLayout.cp_chunk_count(layout, cp)
+    chunks = TokenLayoutKind(layout).num_cp_chunks(cp)
     if seq_len % chunks:
         raise ValueError(
             f"--seq-length {seq_len} must be divisible by {chunks} CP chunks "

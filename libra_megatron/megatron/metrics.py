@@ -16,10 +16,9 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import numpy as np
 
 from ..config import TilePlacement
-from ..plan.lanes import lane_loads
-from ..plan.placement import worker_loads
-from ..plan.sequences import pool_loads
-from ..plan.workload import imbalance, sequence_flops
+from ..plan.sequences import lane_loads, pool_loads
+from ..plan.tiles import worker_loads
+from ..plan.model import imbalance, sequence_flops
 
 __all__ = ["inter_pool_metrics", "microbatch_metrics", "microbatch_worst_workers", "pool_plan_metrics",
            "aggregate_pool_metrics", "step_metrics", "write_metrics", "format_metrics"]
@@ -30,7 +29,7 @@ logger = logging.getLogger(__name__)
 def inter_pool_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], pool_size: int,
                        data_parallel_size: Optional[int] = None) -> Dict[str, float]:
     """Inter-pool R-1 of one optimizer-step window, sampler order (before) vs VRSP order (after); with
-    ``data_parallel_size`` also the lane R-1 (``plan.lanes.lane_loads``: each lane's sum over its GA steps).
+    ``data_parallel_size`` also the lane R-1 (``plan.sequences.lanes.lane_loads``: each lane's sum over its GA steps).
 
     window_segments[i]: raw-sample lengths of the i-th packed sequence in *sampler* order (GBS entries).
     order: the VRSP permutation (pool k = order[k*P:(k+1)*P]).

@@ -21,9 +21,9 @@ plans then waits). A failure inside the thread is stored and re-raised by the ``
 at once if the thread has died.
 
 Off the training thread, per pool: the PoolPlan; the predicted bytes every rank keeps for backward per
-layer in each save mode (``plan.memory``), and the ``save_mode=auto`` decision from them (pool-wide
+layer in each save mode (``plan.model.memory``), and the ``save_mode=auto`` decision from them (pool-wide
 numbers, so every rank of the pool decides the same); and, when ``worker`` is set, this rank's RankPlan
-and its row run tables (``plan.rank_tables``, O(runs)), so the training thread only uploads the runs and
+and its row run tables (``plan.exchange.runtime_tables``, O(runs)), so the training thread only uploads the runs and
 expands them into index tensors on the device (``runtime.routes``, once per plan).
 
 Thread safety and memory. ``submit``/``get`` may be called from any thread; slot state is guarded by one
@@ -114,14 +114,14 @@ class BackgroundPlanner:
         are then built in the thread too (otherwise on first ``get`` / first use).
     num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
         ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
-    timing: the ``plan.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
+    timing: the ``plan.model.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
     """
 
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
                  validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None):
         self.config, self.layout, self.heads = config, layout, heads
-        self._timing = timing  # plan.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
+        self._timing = timing  # plan.model.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
         self._num_layers = int(num_layers)
         self._plan_fn = plan_fn or _default_plan_fn
@@ -294,7 +294,7 @@ class BackgroundPlanner:
         exchange = getattr(plan, "exchange", None)
         if self._worker is None or exchange is None:
             return None
-        from ..plan.rank_tables import rank_tables
+        from ..plan.exchange import rank_tables
 
         rank_tables(exchange.for_rank(self._worker))
         return time.perf_counter() - submitted
@@ -304,7 +304,7 @@ class BackgroundPlanner:
         exchange = getattr(plan, "exchange", None)
         if getattr(exchange, "arranged_q_units", None) is None:  # a stand-in plan (tests) carries no tables
             return {}, None
-        from ..plan.memory import choose_save_mode, predicted_saved_bytes
+        from ..plan.model import choose_save_mode, predicted_saved_bytes
 
         saved = predicted_saved_bytes(exchange, self.heads, self.layout.local_len)
         mode = choose_save_mode(self.config.save_mode, saved["arranged"], self.config.activation_budget_gb,
@@ -355,7 +355,7 @@ def _pool_timing(head_dim: int):
     then assume consecutive GPUs from a node boundary). The same on every rank of a pool: same ranks, same env."""
     import os
 
-    from ..plan.timing import StepTimeModel
+    from ..plan.model import StepTimeModel
     from . import groups
 
     if not groups.pool_groups_initialized():

@@ -10,7 +10,7 @@ rank computes the same windows: there is no per-rank data sharding (VRSP needs t
 
 Placement. For each window every rank reads the segment lengths of all GBS samples (metadata only,
 ``segments_fn``), computes Eq. 4 workloads and runs ``place_sequences`` (sync -- lane totals and each
-lane's microbatches under the step's ``plan.sync.SyncLayout`` --, Algorithm 1, refined or identity): a
+lane's microbatches under the step's ``plan.sequences.sync.SyncLayout`` --, Algorithm 1, refined or identity): a
 permutation ``order`` in GA-major, pool-minor order. Position ``n`` of the window runs at
 GA index ``n // DP`` on DP rank ``n % DP`` (mbs = 1), so pool ``k = n // P`` holds positions
 ``[k*P, (k+1)*P)`` and DP rank r sits at pool position ``p = r % P`` (Fig. 7). The window's multiset
@@ -37,9 +37,8 @@ import numpy as np
 import torch
 
 from ..config import SequencePlacement
-from ..plan.sequences import place_sequences
-from ..plan.sync import SyncLayout
-from ..plan.workload import sequence_flops
+from ..plan.sequences import SyncLayout, place_sequences
+from ..plan.model import sequence_flops
 from .segments import gpt_sample_segments
 
 __all__ = [

@@ -34,7 +34,7 @@ class TokenLayout:
     contiguous: rank c holds [c*L/CP, (c+1)*L/CP).
     zigzag:     L is cut into 2*CP equal CP chunks; rank c holds chunk c then chunk 2*CP-1-c
                 (Megatron's load-balanced causal CP split). With CP=1 both are identical.
-    This class is the one place that states the rule (config, the Megatron batch and the simulator call it).
+    The chunk count is ``TokenLayoutKind.num_cp_chunks`` (config); this class states where each chunk goes.
     """
 
     kind: TokenLayoutKind
@@ -51,14 +51,10 @@ class TokenLayout:
                 f"({self.kind.value} layout, CP={self.cp})"
             )
 
-    @staticmethod
-    def cp_chunk_count(kind, cp: int) -> int:
-        """CP chunks a packed sequence is cut into: 2*CP for zigzag with CP > 1, else CP."""
-        return 2 * cp if TokenLayoutKind(kind) is TokenLayoutKind.ZIGZAG and cp > 1 else cp
-
     @property
     def num_cp_chunks(self) -> int:
-        return self.cp_chunk_count(self.kind, self.cp)
+        """CP chunks of the sequence (``TokenLayoutKind.num_cp_chunks``)."""
+        return self.kind.num_cp_chunks(self.cp)
 
     @property
     def local_len(self) -> int:

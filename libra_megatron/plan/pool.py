@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..config import KvRelay, LibraConfig, flag_name
-from .exchange import ExchangePlan, build_exchange_plan
+from .exchange import ExchangePlan, build_exchange_plan, validate_plan
 from .layout import HeadLayout, TokenLayout
-from .tiles import TileSet, build_tiles
-from .timing import StepTimeModel
+from .tiles import TileSet, build_tiles, place_tiles, reads_timing
+from .model import StepTimeModel
 
 __all__ = ["PoolPlan", "plan_pool", "place_pool_tiles", "pool_timing"]
 
@@ -67,9 +67,9 @@ def plan_pool(
 
     Deterministic: the same inputs give the same fingerprint on every rank. ``validate`` runs
     ``validate_plan`` over all ranks (O(total units); for tests and debugging at scale, switch off).
-    ``tile_cost_model`` (a ``plan.cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
+    ``tile_cost_model`` (a ``plan.model.kernel_cost.TileCostModel``, default None = Eq. 6 FLOPs) prices the tiles
     that Algorithm 2 balances; every rank must pass the same model to get the same fingerprint.
-    ``timing`` (a ``plan.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and
+    ``timing`` (a ``plan.model.timing.StepTimeModel`` with the pool's nodes) chooses every rank's Pipeliner lead and
     whether K/V is relayed (``config.kv_relay``), and is read by tile placement 'time' and 'dense'; None = its
     default rates, the pool's workers consecutive GPUs from a node boundary.
     """
@@ -80,8 +80,6 @@ def plan_pool(
     exchange = placement.exchange if placement.exchange is not None else \
         build_exchange_plan(tiles, placement.assignment, timing)
     if validate:
-        from .validate import validate_plan
-
         validate_plan(exchange, tiles)
     return PoolPlan(tiles=tiles, placement=placement, exchange=exchange, seconds=time.perf_counter() - start)
 
@@ -96,8 +94,6 @@ def pool_timing(config: LibraConfig, heads: HeadLayout, timing=None) -> StepTime
 def place_pool_tiles(seq_segments: Sequence[Sequence[int]], config: LibraConfig, layout: TokenLayout,
                      heads: HeadLayout, *, tile_cost_model=None, timing=None) -> tuple:
     """(TileSet, TilePlacementResult) of one pool: ``plan_pool``'s tiles and TAP placement, no exchange plan."""
-    from .placement import place_tiles, reads_timing  # lazy: placement is optional for callers of exchange alone
-
     _check_consistent(seq_segments, config, layout, heads)
     tiles = build_tiles(seq_segments, layout, heads, config.block_size, tiling=config.tiling, tau=config.tau,
                         kv_fetch=config.kv_fetch)

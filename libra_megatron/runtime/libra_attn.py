@@ -13,10 +13,10 @@ Forward, per chunk m: gather Q and K|V rows, all_to_all along ``q_route`` / ``kv
 arranged buffers, one varlen causal kernel call over all hosted tiles, return O along ``q_route.inverse()``.
 Pipeliner (forward, issue 14): every chunk's dispatch is issued at once (they queue on the pool's
 communicator in chunk order, so chunk 0 arrives first). Where some of a rank's varlen entries read only rows
-it sends itself (``plan.local_entries``), those *local* entries run from the all_to_all's self segment,
+it sends itself (``plan.exchange.local_entries``), those *local* entries run from the all_to_all's self segment,
 placed straight from the send buffer: the local entries of chunks 0..k-1 while the dispatches travel, those
 of chunks k..M-1 while the O returns travel, k = the plan's lead for this rank (``RankPlan.local_lead``,
-chosen by ``plan.timing.best_lead``). In between, chunk by chunk: wait its dispatch, run its *remote* entries
+chosen by ``plan.model.timing.best_lead``). In between, chunk by chunk: wait its dispatch, run its *remote* entries
 (a second kernel call: queries gathered by ``q_rows``, outputs and lse scattered back), issue its O return. A
 chunk whose local entries ran after its return left sent uninitialised self rows; its self segment is copied
 into the output again once every return was placed. Receive buffers of all M dispatches can be alive at once
@@ -55,8 +55,7 @@ from typing import List, Optional
 import torch
 
 from ..config import KernelBackendName
-from ..plan.exchange import RankPlan
-from ..plan.rank_tables import rank_tables
+from ..plan.exchange import RankPlan, rank_tables
 from .checks import ensure_plan_verified
 from .kernels import resolve_backend
 from .routes import DeviceTables, ExchangeStats, device_tables, start_exchange
@@ -65,7 +64,7 @@ __all__ = ["libra_attn_func", "SaveMode", "ExchangeStats"]
 
 
 class SaveMode(str, enum.Enum):
-    """What the forward keeps for backward (``plan.memory`` predicts the bytes; docs/runtime.md)."""
+    """What the forward keeps for backward (``plan.model.memory`` predicts the bytes; docs/runtime.md)."""
 
     ARRANGED = "arranged"  # keep arranged Q, K|V, O and lse at the destination: no extra backward traffic
     REFETCH = "refetch"  # keep only lse (+ the local q, k, v, out); backward re-exchanges Q, K|V and O
@@ -74,7 +73,7 @@ class SaveMode(str, enum.Enum):
 def _save_mode(value) -> SaveMode:
     value = getattr(value, "value", value)
     if value == "auto":
-        raise ValueError("save_mode 'auto' is resolved per pool plan by the planner (plan.memory.choose_save_mode); "
+        raise ValueError("save_mode 'auto' is resolved per pool plan by the planner (plan.model.memory.choose_save_mode); "
                          "libra_attn_func takes 'arranged' or 'refetch'")
     return SaveMode(value)
 
@@ -206,7 +205,7 @@ def _fwd_part(cx: _Ctx, q_arr, kv_arr, part, o_arr=None, lse=None):
 
 class _Chunk:
     """One chunk's destination side: its arranged buffers, O and lse, and -- under the local-first split
-    (``plan.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
+    (``plan.exchange.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
 
     def __init__(self, cx: _Ctx, m: int, pending, split: bool):
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
@@ -314,7 +313,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
 
 
 def _lead(cx: _Ctx, M: int) -> int:
-    """Local chunks run before the first remote one: the plan's ``local_lead`` (``plan.timing.best_lead``; M + 1 =
+    """Local chunks run before the first remote one: the plan's ``local_lead`` (``plan.model.timing.best_lead``; M + 1 =
     no local split), else M - 1 (the last chunk's local entries overlap the returns), M without remote entries."""
     if cx.tables.local is None:
         return M + 1

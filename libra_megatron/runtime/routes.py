@@ -11,12 +11,12 @@ A route moves *units*; one unit is one row of the views above, so split sizes ar
 
 Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
 so every row is written once). The inverse Q route (O, dQ) copies: every local Q row has
-exactly one source over the chunks (a plan invariant, ``plan.validate``), so its target starts uninitialised
+exactly one source over the chunks (a plan invariant, ``plan.exchange.validate``), so its target starts uninitialised
 -- no memset, no atomics (``index_put_`` without accumulate, which takes the int32 rows). The inverse K|V route accumulates (``index_add_``: several destinations and chunks
 feed one local row), casting the received rows to the target's dtype so a float32 target sums low-precision
 fragments in float32. A ``PendingExchange`` drops its received rows as soon as they are placed or copied:
 the receive buffer of chunk m is freed before chunk m computes, not one chunk later. Index tensors are int32 where the plan's
-bounds allow (int64 otherwise). The planner hands over row *runs* (``plan.rank_tables``, O(runs) on the
+bounds allow (int64 otherwise). The planner hands over row *runs* (``plan.exchange.runtime_tables``, O(runs) on the
 host); ``expand_runs`` turns them into index tensors on the device, once per plan at its first use on the
 training thread (a few device kernels of known output size: no host sync), and the results live in a
 small LRU (``DeviceTables``). Every exchange is launched with ``async_op=True``; its ``PendingExchange``
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..plan.rank_tables import RankTables, RouteSplits
+from ..plan.exchange import RankTables, RouteSplits
 from .kernels import VarlenBatch, host_to_device
 
 __all__ = ["RouteIndex", "PendingExchange", "ExchangeStats", "ChunkRoutes", "RelayRoutes", "DeviceTables", "device_tables",
@@ -49,7 +49,7 @@ class ExchangeStats:
                       forward "q", "kv", "o"; backward "do", "dq", "dkv" (+ "q_bwd", "kv_bwd", "o_bwd"
                       when the backward re-exchanges instead of saving arranged tensors).
     kernel_seconds    thread CPU time spent inside attention kernel calls (fwd + bwd)
-    saved_bytes       bytes the last forward kept alive for backward (``plan.memory`` predicts it)
+    saved_bytes       bytes the last forward kept alive for backward (``plan.model.memory`` predicts it)
     wait_seconds[kind] host wall time blocked waiting for that kind's exchanges to arrive. Meaningful on CPU
                       gloo only (its wait blocks until the data is there); a CUDA/NCCL wait only orders
                       streams, so there it measures nothing (``benchmarks/bench_exchange_wait_cpu.py``).

@@ -4,7 +4,7 @@ Imports only ``libra_megatron.plan`` and ``libra_megatron.config`` (matplotlib l
 Entry points: ``python -m libra_megatron.sim`` (``__main__.main``) and ``run_simulation``.
 """
 
-from .cost import CalibrationTable, CostModel
+from ..plan.model import CalibrationTable, StepTimeModel
 from .runner import MODEL_PRESETS, ModelDims, SimResult, SimSpec, run_simulation
 
-__all__ = ["CalibrationTable", "CostModel", "MODEL_PRESETS", "ModelDims", "SimResult", "SimSpec", "run_simulation"]
+__all__ = ["CalibrationTable", "StepTimeModel", "MODEL_PRESETS", "ModelDims", "SimResult", "SimSpec", "run_simulation"]

@@ -8,14 +8,14 @@ Example (the traces ship in ``data/traces/`` of the checkout):
 Everything is checked before the simulation starts, in this order: every flag (``spec_from_args``, the
 ``--calibration`` file included), the outputs (``--json``: its folder exists and takes a new file;
 ``--plots``: an existing writable folder, or a new one whose parent exists -- created only at the end),
-the traces (``plan.traces``: files, UTF-8, one integer per line) and the run's cost (``runner.check_run_cost``:
+the traces (``plan.traces``: files, UTF-8, one integer per line) and the run's cost (``spec.check_run_cost``:
 packing memory under ``--memory-limit-gib``). A bad input exits 2 with one line ``libra-sim: error: ...``
 (``libra_megatron.cli``); ``--debug`` or ``LIBRA_DEBUG=1`` shows the traceback. Nothing is written unless
 the run succeeds.
 
 Adding an option: put it in the right ``_add_*_args`` group with ``_grid_option`` (a swept list of numbers),
 ``_choice_option`` (values of an enum, optionally swept) or ``group.add_argument`` with a ``help``, check
-it in ``runner._validate_spec`` (ValueError naming the flag), and pass it on in ``spec_from_args``.
+it in ``spec._validate_spec`` (ValueError naming the flag), and pass it on in ``spec_from_args``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from ..config import KvFetch, PackingMode, SequencePlacement, TilePlacement, Til
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
-from ..plan.timing import DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS
-from .cost import CalibrationTable, CostModel
+from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS,
+                          CalibrationTable, StepTimeModel)
 from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
 from .report import ProgressBar, format_table
-from .runner import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs, run_simulation
+from .runner import run_simulation
+from .spec import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs
 from .sync import format_sync
 
 __all__ = ["build_parser", "spec_from_args", "check_outputs", "run", "main"]
@@ -193,10 +194,10 @@ def _calibration(path: Optional[str]) -> Optional[CalibrationTable]:
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
     """Turn parsed flags into a validated ``SimSpec`` (ValueError names the flag)."""
     dims = _model_dims(args)
-    cost = CostModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
-                     inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
-                     num_chunks=args.num_chunks[0], calibration=_calibration(args.calibration),
-                     local_first=not args.no_local_first, kv_relay=not args.no_kv_relay)
+    cost = StepTimeModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
+                         inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
+                         calibration=_calibration(args.calibration), local_first=not args.no_local_first,
+                         kv_relay=not args.no_kv_relay)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,

@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .cost import CostModel
+from ..plan.model import StepTimeModel
 
 __all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_comm_bytes", "wlb_repack"]
 
@@ -51,13 +51,13 @@ def ulysses_comm_bytes(tokens, cp: int, hq: int, hkv: int, head_dim: int, elem_b
     return total * intra_share, total * (1.0 - intra_share)
 
 
-def ulysses_worker_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, int], cost: CostModel):
+def ulysses_worker_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, int], cost: StepTimeModel):
     """Per-sequence (= per CP rank of its group) seconds: compute of load/CP plus the un-overlapped all-to-all.
 
     ``heads`` = (hq, hkv, elem_bytes). Returns float64 (n,).
     """
     hq, hkv, elem_bytes = heads
-    compute = cost.compute_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
+    compute = cost.call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
     intra, inter = ulysses_comm_bytes(tokens, cp, hq, hkv, cost.head_dim, elem_bytes, cost.gpus_per_node)
     return compute + cost.comm_seconds(intra, inter)
 

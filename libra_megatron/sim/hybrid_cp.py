@@ -4,7 +4,7 @@ Pure numpy. The schedules come from Megatron-LM's own ``BalancedCPScheduler`` ru
 ``libra_megatron.megatron.hybrid_cp_baseline`` in a subprocess (this package imports neither torch nor
 megatron); ``subprocess_scheduler`` is the client the ``--megatron-hybrid-cp`` flag uses.
 
-What is modelled (per attention layer, forward, the same ``CostModel`` as Libra):
+What is modelled (per attention layer, forward, the same ``StepTimeModel`` as Libra):
   schedule   per GBS window, Megatron's groups run one after another (a barrier between groups); in a group
              every GPU runs its documents one after another; a document listed by cp GPUs of a group runs
              as one CP group of those GPUs (ranks of the DP x CP grid, GPU g on node g // gpus_per_node).
@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost import CostModel
+from ..plan.model import StepTimeModel
 
 __all__ = ["HybridCpBaseline", "HybridCpDims", "price_schedule", "subprocess_scheduler", "ring_document_seconds", "BASELINE_MODULE"]
 
@@ -50,11 +50,11 @@ class HybridCpDims:
 
 
 def ring_document_seconds(length: int, members: Sequence[int], dims: HybridCpDims,
-                          cost: CostModel) -> Tuple[float, float]:
+                          cost: StepTimeModel) -> Tuple[float, float]:
     """(seconds, compute seconds) of one document of ``length`` tokens on the CP group ``members`` (GPU ids)."""
     cp = len(members)
     pair_heads = dims.num_q_heads * length * (length + 1) / 2.0
-    compute = float(cost.compute_seconds(pair_heads / cp, length / cp, dims.num_q_heads))
+    compute = float(cost.call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))
     if cp == 1:
         return compute, compute
     nodes = {g // cost.gpus_per_node for g in members}
@@ -65,7 +65,7 @@ def ring_document_seconds(length: int, members: Sequence[int], dims: HybridCpDim
 
 
 def _group_gpu_seconds(group: List[List[int]], doc_lens: Sequence[int], dims: HybridCpDims,
-                       cost: CostModel) -> Tuple[np.ndarray, np.ndarray]:
+                       cost: StepTimeModel) -> Tuple[np.ndarray, np.ndarray]:
     """(seconds [GPUs], compute [GPUs]) of one group of the schedule."""
     members = {}
     for gpu, docs in enumerate(group):
@@ -78,7 +78,7 @@ def _group_gpu_seconds(group: List[List[int]], doc_lens: Sequence[int], dims: Hy
 
 
 def price_schedule(schedule: Schedule, doc_lens: Sequence[int], dims: HybridCpDims,
-                   cost: CostModel) -> Tuple[float, float]:
+                   cost: StepTimeModel) -> Tuple[float, float]:
     """(window seconds, compute seconds on the critical path): sum over groups of the slowest GPU's time and
     of that GPU's compute (ties go to the largest compute)."""
     total = compute_total = 0.0
@@ -116,7 +116,7 @@ class HybridCpBaseline:
     max_seqlen_per_rank: Optional[int] = None
 
     def evaluate(self, windows: List[List[int]], lower_bounds: Sequence[float], num_steps: int, dims: HybridCpDims,
-                 cost: CostModel, dp_cp: int, seq_len: int, cp: int) -> dict:
+                 cost: StepTimeModel, dp_cp: int, seq_len: int, cp: int) -> dict:
         """JSON-ready summary over ``windows`` (document lengths of each GBS window); ``lower_bounds`` are the
         windows' perfectly balanced, communication-free times (GA steps each, as Libra's)."""
         cap = self.max_seqlen_per_rank or seq_len // cp

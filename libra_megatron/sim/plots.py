@@ -17,7 +17,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from ..plan.workload import clt_expected_imbalance
+from ..plan.model import clt_expected_imbalance
 from .sync_plots import plot_lanes_and_microbatches
 
 __all__ = ["write_plots"]

@@ -4,15 +4,15 @@ Imports only ``libra_megatron.plan``. Worker ids are pool-local (w = p*CP + c, `
 pool whose first GPU has global index ``first_gpu`` puts worker w on node (first_gpu + w) // gpus_per_node.
 
 Per-worker link bytes, and the Pipeliner phase they travel in, are read off the ExchangePlan built for
-the assignment (``plan.traffic.plan_traffic``: the executed routes' per-peer units), and so is the split of
+the assignment (``plan.exchange.traffic.plan_traffic``: the executed routes' per-peer units), and so is the split of
 every worker's varlen entries into local and remote ones (``ExchangePlan.hosted_pair_heads``); the
-Pipeliner's timeline (``plan.timing.pipeline_seconds``) turns them into seconds. ``traffic_edges`` is an
+Pipeliner's timeline (``plan.model.timing.pipeline_seconds``) turns them into seconds. ``traffic_edges`` is an
 independent re-derivation from the tiles (kept to cross-check the plan in tests/sim):
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
     KV  holder -> r for every distinct (KV group, destination r) pair and every run of the group's rows
         [0, p) held by a worker other than r, p = the longest prefix r's tiles need (the whole document
-        under group fetch; ``plan.kv_refs.fetched_groups``, deduplicated per group and destination, §4.3.3)
+        under group fetch; ``plan.exchange.kv_refs.fetched_groups``, deduplicated per group and destination, §4.3.3)
 The totals equal ``ExchangePlan.bytes_q/kv/o`` (checked in tests/sim).
 """
 
@@ -24,13 +24,10 @@ from typing import Dict, Tuple
 import numpy as np
 
 from ..config import KvFetch, TilingPolicy
-from ..plan.exchange import build_exchange_plan
-from ..plan.kv_refs import fetched_groups, home_runs_in_prefix
+from ..plan.exchange import build_exchange_plan, fetched_groups, home_runs_in_prefix, plan_traffic
 from ..plan.layout import HeadLayout, TokenLayout
-from ..plan.placement import TilePlacementResult, place_tiles, reads_timing
-from ..plan.tiles import TileSet, build_tiles
-from ..plan.traffic import plan_traffic
-from .cost import CostModel
+from ..plan.model import StepTimeModel
+from ..plan.tiles import TilePlacementResult, TileSet, build_tiles, place_tiles, reads_timing
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
            "PoolKnobs", "local_compute_seconds"]
@@ -104,25 +101,24 @@ class PoolResult:
         return float(self.pair_heads.max()) / mean - 1.0 if mean > 0 else 0.0
 
 
-def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: CostModel) -> np.ndarray:
-    per_tile = cost.compute_seconds(tiles.tile_flops(), tiles.tile_tokens(), tiles.heads.q_piece)
+def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: StepTimeModel) -> np.ndarray:
+    per_tile = cost.call_seconds(tiles.tile_flops(), tiles.tile_tokens(), tiles.heads.q_piece)
     return np.bincount(assignment, weights=per_tile, minlength=tiles.num_workers)
 
 
-def evaluate_pool(tiles: TileSet, tau: float, method, cost: CostModel, first_gpu: int) -> PoolResult:
+def evaluate_pool(tiles: TileSet, tau: float, method, cost: StepTimeModel, first_gpu: int) -> PoolResult:
     """Place the pool's tiles with ``method`` and turn the assignment into per-worker seconds."""
     return pool_result(tiles, place_tiles(tiles, tau, method), cost, first_gpu)
 
 
-def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: CostModel, first_gpu: int) -> PoolResult:
+def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: StepTimeModel, first_gpu: int) -> PoolResult:
     """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``).
 
     Bytes per link, worker and Pipeliner phase, and the split of every worker's entries into local and
-    remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.traffic``,
+    remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.exchange.traffic``,
     ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
-    assert cost.num_chunks == tiles.heads.num_chunks
     reuse = placed.exchange is not None and placed.exchange.heads == tiles.heads  # the placer's plan, same M
-    timing = cost.step_time_model(first_gpu) if cost.kv_relay else None  # the relay follows the pool's nodes
+    timing = cost.at_gpu(first_gpu) if cost.kv_relay else None  # the relay follows the pool's nodes
     plan = placed.exchange if reuse else build_exchange_plan(tiles, placed.assignment, timing)
     traffic = plan_traffic(plan)
     nodes = (first_gpu + np.arange(tiles.num_workers)) // cost.gpus_per_node
@@ -161,10 +157,9 @@ class PoolEvaluator:
     evaluated once.
     """
 
-    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, cost: CostModel):
+    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, cost: StepTimeModel):
         self.segments, self.layout, self.cost = segments, layout, cost
         self._head_args = (hq, hkv, cost.head_dim, elem_bytes)
-        self._costs: Dict[int, CostModel] = {}
         self._tiles: Dict[tuple, TileSet] = {}
         self._placed: Dict[tuple, TilePlacementResult] = {}
         self._cache: Dict[tuple, PoolResult] = {}
@@ -173,10 +168,6 @@ class PoolEvaluator:
         hq, hkv, d, eb = self._head_args
         return HeadLayout(hq, hkv, d, head_split, num_chunks, eb)
 
-    def _cost(self, num_chunks: int) -> CostModel:
-        if num_chunks not in self._costs:
-            self._costs[num_chunks] = replace(self.cost, num_chunks=num_chunks)
-        return self._costs[num_chunks]
 
     def _tileset(self, key: tuple, knobs: "PoolKnobs") -> TileSet:
         """Tiles of the pool with M = ``knobs.num_chunks`` (build_tiles only stores the HeadLayout)."""
@@ -202,9 +193,9 @@ class PoolEvaluator:
             pkey = (tkey, str(method), knobs.tau, tiles.heads.kv_bytes_per_token(), node_offset)
             placed = self._placed.get(pkey)
             if placed is None:
-                timing = self.cost.step_time_model(first_gpu) if timed else None
+                timing = self.cost.at_gpu(first_gpu) if timed else None
                 placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method, timing=timing)
-            hit = self._cache[key] = pool_result(tiles, placed, self._cost(knobs.num_chunks), first_gpu)
+            hit = self._cache[key] = pool_result(tiles, placed, self.cost, first_gpu)
         return hit
 
     def clear(self) -> None:

@@ -1,9 +1,9 @@
-"""The simulator's step scores under the synchronisation model (``plan.sync``), next to the per-instance ones.
+"""The simulator's step scores under the synchronisation model (``plan.sequences.sync``), next to the per-instance ones.
 
 Imports only ``libra_megatron.plan``. For every candidate and window, each order (``placed`` = the configured
 ``--sequence-placement``, ``alg1`` = the paper's Algorithm 1, ``contiguous`` = sampler order) runs with the
 candidate's tile placement; its pools' per-worker seconds (compute + exposed comm, per attention layer, forward,
-``sim.pools``) become ``worker_seconds[GA, DP*CP]`` and ``plan.sync.step_timing`` turns them into a step:
+``sim.pools``) become ``worker_seconds[GA, DP*CP]`` and ``plan.sequences.sync.step_timing`` turns them into a step:
 pools wait for their slowest worker, EP ties lanes, each lane runs its pipeline (``--pp``, ``--vpp``,
 ``--backward-ratio``), DP waits for the slowest lane. The lower bound is the same model fed with the perfectly
 balanced, communication-free worker time (window work at peak rate / (GA*DP*CP) for every worker and GA step),
@@ -24,9 +24,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..plan.lanes import lane_loads
-from ..plan.sync import StepTiming, SyncLayout, step_timing
-from ..plan.workload import imbalance
+from ..plan.sequences import StepTiming, SyncLayout, lane_loads, step_timing
+from ..plan.model import imbalance
 
 __all__ = ["SYNC_ORDERS", "SyncAccum", "LaneView", "worker_seconds", "describe_layout", "format_sync"]
 

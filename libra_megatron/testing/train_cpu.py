@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence
@@ -44,11 +43,13 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..plan.traces import find_trace
+from .train_data import PreparedData, open_dataset, prepare_data
+from .train_report import PARITY_RTOL, compare_runs, parity_ok, print_run, print_summary, summarize
 
-__all__ = ["RunConfig", "PreparedData", "prepare_data", "run_training", "compare_runs", "summarize", "main"]
+__all__ = ["RunConfig", "PreparedData", "prepare_data", "run_training", "compare_runs", "summarize", "parity_ok",
+           "PARITY_RTOL", "main"]
 
 DEFAULT_TRACE = "wikipedia-flexsp.txt"  # resolved with plan.traces.find_trace
-PARITY_RTOL = 1e-4  # fp32: per-step loss and grad norm of Libra vs baseline, relative
 
 
 @dataclass(frozen=True)
@@ -112,84 +113,6 @@ class RunConfig:
 _CONFIG_FLAGS = {key: "--" + key.replace("_", "-") for key in ("pool_size", "head_split", "block_size", "num_chunks")}
 
 
-@dataclass(frozen=True, eq=False)
-class PreparedData:
-    """Built once in the parent: the corpus on disk and the corpus-id -> model-id table (int64)."""
-
-    info: object  # corpus.CorpusInfo
-    remap: np.ndarray
-    description: str
-
-
-# =============================================================================== data
-def prepare_data(cfg: RunConfig) -> PreparedData:
-    """Build the corpus and the GPTDataset indices once (ranks then hit the caches); ids remapped to
-    ``cfg.vocab`` (the vocab-1 most frequent + UNK). See the module docstring for ``cfg.data``."""
-    from ..megatron import corpus
-
-    workdir = cfg.workdir or os.path.join(tempfile.gettempdir(), "libra_train_cpu")
-    if cfg.data not in ("stdlib", "trace") or cfg.tokens not in ("stdlib", "synthetic"):
-        raise ValueError(f"--data must be stdlib|trace and --tokens stdlib|synthetic, got {cfg.data!r}, {cfg.tokens!r}")
-    if cfg.data == "stdlib" or cfg.tokens == "stdlib":
-        stdlib = corpus.build_indexed_dataset_from_python_stdlib(os.path.join(workdir, "stdlib"),
-                                                                 max_files=cfg.max_files)
-    if cfg.data == "stdlib":
-        info, what = stdlib, f"the first {cfg.max_files or 'all'} stdlib .py files (Qwen2 tokens)"
-    else:
-        info, what = _trace_corpus(cfg, workdir, stdlib if cfg.tokens == "stdlib" else None)
-    _open_dataset(cfg, info)
-    return PreparedData(info, _vocab_remap(info, cfg.vocab), what)
-
-
-def _trace_corpus(cfg: RunConfig, workdir: str, stdlib):
-    """(CorpusInfo, description): the trace's first max_docs lengths x doc_scale, tokens per ``cfg.tokens``."""
-    from ..megatron import corpus
-    from ..plan.traces import load_trace
-
-    path = cfg.trace if os.path.isfile(cfg.trace) else find_trace(cfg.trace)
-    lengths = load_trace(path)[: cfg.max_docs]
-    lengths = np.maximum(1, np.round(lengths * cfg.doc_scale)).astype(np.int64)
-    name = os.path.splitext(os.path.basename(path))[0]
-    if stdlib is None:
-        vocab, eod, stream = cfg.vocab, cfg.vocab - 1, None
-    else:
-        vocab, eod, stream = stdlib.vocab_size, stdlib.eod, corpus.corpus_tokens(stdlib)
-    prefix = os.path.join(workdir, f"trace-{name}-x{cfg.doc_scale:g}-{cfg.tokens}-v{vocab}")
-    info = corpus.build_indexed_dataset_from_trace(lengths, prefix, vocab_size=vocab, eod=eod, seed=cfg.seed,
-                                                   token_stream=stream)
-    what = (f"{lengths.size} documents with the lengths of {os.path.basename(path)} x {cfg.doc_scale:g} "
-            f"(median {int(np.median(lengths))}, max {int(lengths.max())} tokens), "
-            f"{'stdlib Qwen2 tokens' if stream is not None else 'SYNTHETIC tokens'}")
-    return info, what
-
-
-def _open_dataset(cfg: RunConfig, info):
-    from ..megatron import corpus
-
-    return corpus.build_gpt_dataset(info.prefix, cfg.seq_len, cfg.steps * cfg.global_batch, seed=cfg.seed,
-                                    vocab_size=info.vocab_size, eod=info.eod)
-
-
-def _vocab_remap(info, vocab: int) -> np.ndarray:
-    """int64 lookup corpus id -> model id: the ``vocab-1`` most frequent corpus ids keep a rank, the rest UNK.
-
-    Keeps the tiny model's embedding small while training on the real token stream; EOD is always kept.
-    """
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    if info.vocab_size <= vocab:
-        return np.arange(info.vocab_size, dtype=np.int64)
-    counts = np.zeros(info.vocab_size, dtype=np.int64)
-    ds = IndexedDataset(info.prefix)
-    for i in range(len(ds)):
-        counts += np.bincount(np.asarray(ds[i], dtype=np.int64), minlength=info.vocab_size)
-    counts[info.eod] = counts.max() + 1
-    keep = np.argsort(-counts, kind="stable")[: vocab - 1]
-    remap = np.full(info.vocab_size, vocab - 1, dtype=np.int64)
-    remap[keep] = np.arange(keep.size, dtype=np.int64)
-    return remap
-
-
 def _window_metrics(cfg: RunConfig, sampler, window: int) -> Dict[str, float]:
     """Inter-pool R-1 of the window at the Libra pool size: sampler order (before) vs this run's order."""
     from ..megatron.metrics import inter_pool_metrics
@@ -249,7 +172,7 @@ class _Rank:
         self.cfg, self.lib, self.remap = cfg, cfg.libra_config(), torch.from_numpy(data.remap)
         groups.initialize_pool_groups(self.lib.pool_size, relay=self.lib.kv_relay.value == "auto")
         self.dp_rank, self.cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
-        dataset = _open_dataset(cfg, data.info)
+        dataset = open_dataset(cfg, data.info)
         self.sampler = LibraGlobalBatchSampler(
             dataset, len(dataset), 0, 1, cfg.global_batch, self.dp_rank, cfg.dp, self.lib.pool_size,
             self.lib.sequence_placement, "single", cfg.seed)
@@ -387,7 +310,7 @@ def _pool_nodes_timing(cfg: RunConfig, head_dim: int):
     if cfg.gpus_per_node < 1:
         return None
     from ..megatron import groups
-    from ..plan.timing import StepTimeModel
+    from ..plan.model import StepTimeModel
 
     nodes = tuple(r // cfg.gpus_per_node for r in groups.get_pool_ranks())
     return StepTimeModel(head_dim, gpus_per_node=cfg.gpus_per_node, worker_nodes=nodes,
@@ -440,83 +363,6 @@ def run_training(cfgs: Sequence[RunConfig], data: PreparedData, timeout: float =
         raise ValueError(f"run_training: all configs need one world size, got {[c.world_size for c in cfgs]}")
     per_rank = run_distributed(_rank_main, cfgs[0].world_size, cfgs, data, timeout=timeout)
     return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cfgs))]
-
-
-def compare_runs(libra: List[List[dict]], base: List[List[dict]]) -> Dict[str, float]:
-    """Max relative loss / grad-norm differences over steps, and whether every step's sample multiset matches."""
-    a, b = libra[0], base[0]
-    rel = lambda x, y: abs(x - y) / max(abs(y), 1e-30)  # noqa: E731
-
-    def multiset(run, i):  # one entry per DP replica: its CP ranks share the sample
-        return sorted(s for rank in run if rank[i]["cp_rank"] == 0 for s in rank[i]["samples"])
-
-    same = all(multiset(libra, i) == multiset(base, i) for i in range(len(a)))
-    return {"max_rel_loss": max(rel(x["loss"], y["loss"]) for x, y in zip(a, b)),
-            "max_rel_grad_norm": max(rel(x["grad_norm"], y["grad_norm"]) for x, y in zip(a, b)),
-            "same_step_multisets": float(same), "steps": float(len(a))}
-
-
-def summarize(libra: List[List[dict]], parity: Optional[Dict[str, float]] = None) -> Dict[str, object]:
-    """The closing summary of a Libra run (``libra[rank][step]``), plus parity against the baseline if given.
-
-    Means are over steps; ``planner_ms_median`` is the median over every plan any rank computed.
-    """
-    steps = libra[0]
-    mean = lambda key: float(np.mean([s[key] for s in steps]))  # noqa: E731
-    latencies = [x for rank in libra for s in rank for x in s["plan_latencies_ms"]]
-    out: Dict[str, object] = {
-        "steps": len(steps),
-        "inter_pool_r1_before_mean": mean("inter_pool_r1_before"),
-        "inter_pool_r1_after_mean": mean("inter_pool_r1_after"),
-        "intra_pool_max_mean_home": mean("intra_pool_max_over_mean_home"),
-        "intra_pool_max_mean_placed": mean("intra_pool_max_over_mean_placed"),
-        "bytes_per_step": mean("bytes_per_step"),
-        "planner_ms_median": float(np.median(latencies)) if latencies else 0.0,
-        "planner_ms_p90": float(np.percentile(latencies, 90)) if latencies else 0.0,
-        "plans_computed": len(latencies),
-        "pools_reused": int(sum(s["pools_reused"] for s in steps)),
-        "loss_first": steps[0]["loss"], "loss_last": steps[-1]["loss"],
-    }
-    if parity is not None:
-        out.update(parity_ok=parity_ok(parity), max_rel_loss=parity["max_rel_loss"],
-                   max_rel_grad_norm=parity["max_rel_grad_norm"],
-                   same_step_multisets=bool(parity["same_step_multisets"]), parity_rtol=PARITY_RTOL)
-    return out
-
-
-def parity_ok(parity: Dict[str, float]) -> bool:
-    """Loss and grad norm within PARITY_RTOL (relative) on every step, and the same sample multisets."""
-    return bool(max(parity["max_rel_loss"], parity["max_rel_grad_norm"]) < PARITY_RTOL
-                and parity["same_step_multisets"])
-
-
-def _print_run(name: str, records: List[dict]) -> None:
-    print(f"== {name}")
-    print("step  loss        grad_norm   inter R-1 before -> after  intra max/mean home -> placed  "
-          "KiB/step  plan_ms  reused  wait_ms  step_s")
-    for i, r in enumerate(records):
-        print(f"{i:4d}  {r['loss']:.8f}  {r['grad_norm']:.8f}  {r['inter_pool_r1_before']:8.4f} -> "
-              f"{r['inter_pool_r1_after']:7.4f}      {r['intra_pool_max_over_mean_home']:8.4f} -> "
-              f"{r['intra_pool_max_over_mean_placed']:7.4f}     {r['bytes_per_step'] / 1024:9.1f}  "
-              f"{1e3 * r['planner_latency_s']:7.2f}  {r['pools_reused']:6d}  {1e3 * r['planner_wait_s']:7.2f}  "
-              f"{r['step_s']:6.2f}")
-
-
-def _print_summary(summary: Dict[str, object]) -> None:
-    print("== summary (Libra run; means over steps)")
-    print(f"inter-pool R-1 (max/mean - 1 of pool sum l^2) before -> after VRSP: "
-          f"{summary['inter_pool_r1_before_mean']:.4f} -> {summary['inter_pool_r1_after_mean']:.4f}")
-    print(f"intra-pool worker max/mean (Eq. 6 FLOPs) at home -> placed by TAP: "
-          f"{summary['intra_pool_max_mean_home']:.4f} -> {summary['intra_pool_max_mean_placed']:.4f}")
-    print(f"attention bytes exchanged per step (all ranks, fwd + bwd, all layers): "
-          f"{summary['bytes_per_step'] / 2**20:.2f} MiB")
-    print(f"planner latency: median {summary['planner_ms_median']:.2f} ms, p90 {summary['planner_ms_p90']:.2f} ms "
-          f"over {summary['plans_computed']} plans ({summary['pools_reused']} pools reused a cached plan)")
-    print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f} over {summary['steps']} steps")
-    if "parity_ok" in summary:
-        print(f"parity vs baseline: max rel loss {summary['max_rel_loss']:.3g}, max rel grad norm "
-              f"{summary['max_rel_grad_norm']:.3g}, same step sample multisets: {summary['same_step_multisets']}"
-              f" -> {'PARITY OK' if summary['parity_ok'] else f'PARITY FAILED (tolerance {PARITY_RTOL})'}")
 
 
 TOOL = "libra-train-cpu"
@@ -597,13 +443,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     print(f"trained {len(names)} run(s) in one {cfg.world_size}-rank gloo job: {time.perf_counter() - start:.1f}s")
     runs = dict(zip(names, results))
     for name, per_rank in runs.items():
-        _print_run(name, per_rank[0])
+        print_run(name, per_rank[0])
     if "libra" not in runs:
         return 0
     parity = compare_runs(runs["libra"], runs["baseline"]) if "baseline" in runs else None
     summary = summarize(runs["libra"], parity)
     summary.update(wall_s=time.perf_counter() - started, data=data.description, config=asdict(cfg))
-    _print_summary(summary)
+    print_summary(summary)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(summary, handle, indent=1)

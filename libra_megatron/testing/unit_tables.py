@@ -1,6 +1,6 @@
 """Reference for the run tables (tests only): the row tables as the runtime built them before runs.
 
-Before run tables, ``plan.rank_tables`` expanded every route into unit arrays on the host and mapped each
+Before run tables, ``plan.exchange.runtime_tables`` expanded every route into unit arrays on the host and mapped each
 unit with the row formulas ``q_rows`` / ``kv_rows`` (O(units)). This module keeps that computation, from
 the routes' expanded ``send_index`` / ``recv_index`` and the varlen metadata, so tests can check that the
 run tables, expanded on the host (``RowRuns.expand``) or on the device (``runtime.routes``), give exactly
@@ -21,7 +21,7 @@ __all__ = ["UnitTables", "unit_tables", "self_sourced_rows", "local_entries_by_u
 
 @dataclass(frozen=True)
 class UnitTables:
-    """The unit-based tables of one RankPlan, int64 host arrays (see ``plan.rank_tables`` for meanings)."""
+    """The unit-based tables of one RankPlan, int64 host arrays (see ``plan.exchange.runtime_tables`` for meanings)."""
 
     q_send: Tuple[np.ndarray, ...]  # per chunk m
     kv_send: Tuple[np.ndarray, ...]  # per chunk m
@@ -60,7 +60,7 @@ def self_sourced_rows(route, rank: int) -> np.ndarray:
 
 def local_entries_by_units(plan: RankPlan) -> np.ndarray:
     """bool [n_seqs]: entries whose every arranged Q row and key row is self-sourced, row by row (the O(units)
-    reference of ``plan.local_entries.rank_local_entries``)."""
+    reference of ``plan.exchange.local_entries.rank_local_entries``)."""
     q_self, kv_self = self_sourced_rows(plan.q_route, plan.rank), self_sourced_rows(plan.kv_route, plan.rank)
     cu = np.asarray(plan.cu_seqlens_q, dtype=np.int64)
     return np.array([q_self[cu[i]:cu[i + 1]].all() and kv_self[o:o + n].all()
@@ -68,7 +68,7 @@ def local_entries_by_units(plan: RankPlan) -> np.ndarray:
 
 
 def entry_kinds_by_units(plan: RankPlan):
-    """(kinds, tail) of ``plan.local_entries.rank_entry_kinds`` row by row on the expanded routes: kind 1 (local)
+    """(kinds, tail) of ``plan.exchange.local_entries.rank_entry_kinds`` row by row on the expanded routes: kind 1 (local)
     when every Q and key row is self-sourced, 2 (split) when the Q rows are and the self-sourced suffix of the
     key rows holds at least the queries (but not all keys), else 0; tail = first row of that suffix."""
     q_self, kv_self = self_sourced_rows(plan.q_route, plan.rank), self_sourced_rows(plan.kv_route, plan.rank)

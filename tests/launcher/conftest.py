@@ -16,8 +16,7 @@ import pytest
 
 from libra_megatron.megatron_lm import ENV_MEGATRON_LM_RELEASE, RELEASES
 
-from .megatron_lm import megatron_lm_path as _megatron_lm_path
-from .megatron_lm import release_imported
+from .megatron_lm import megatron_lm_path as _megatron_lm_path, release_imported
 
 _SELECTED = tuple(r for r in RELEASES if os.environ.get(ENV_MEGATRON_LM_RELEASE) in (None, "", r))
 

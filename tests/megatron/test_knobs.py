@@ -53,7 +53,7 @@ def _run_module_from_yaml(rank: int, world_size: int, config_dicts: dict) -> dic
     from libra_megatron.megatron.hooks import LibraHooks
     from libra_megatron.megatron.planner import BackgroundPlanner
     from libra_megatron.plan.layout import HeadLayout, TokenLayout
-    from libra_megatron.plan.memory import saved_bytes_per_rank
+    from libra_megatron.plan.model import saved_bytes_per_rank
 
     seen = []
     original = runtime.libra_attn_func
@@ -171,7 +171,7 @@ def test_ulysses_refuses_device_cu_seqlens():
 def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thread(monkeypatch):
     from libra_megatron.megatron import groups
     from libra_megatron.megatron.planner import build_planner_from_args
-    from libra_megatron.plan import rank_tables
+    from libra_megatron.plan.exchange import runtime_tables as rank_tables
 
     monkeypatch.setattr(groups, "pool_groups_initialized", lambda: True)
     monkeypatch.setattr(groups, "get_pool_rank", lambda: 1)

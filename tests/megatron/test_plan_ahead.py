@@ -225,19 +225,19 @@ def test_plans_submitted_ahead_outlive_recently_consumed_ones():
 
 # ---------------------------------------------------------------------------------------------- lazy RankPlans
 def test_lazy_rank_plans_are_built_once_when_threads_race_and_stay_picklable(monkeypatch):
-    from libra_megatron.plan import exchange
+    from libra_megatron.plan.exchange import tables
 
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 16, 1, 2)
     plan = plan_pool([[40, 3, 21], [64]], CONFIG, layout, heads)
-    ranks = exchange._LazyRankPlans(plan.exchange.ranks._tables)  # nothing built yet
-    build, built = exchange._PlanTables.rank_plan, []
+    ranks = tables.LazyRankPlans(plan.exchange.ranks._tables)  # nothing built yet
+    build, built = tables.PlanTables.rank_plan, []
 
     def slow_build(tables, rank):
         built.append(rank)
         time.sleep(0.05)  # widen the check-then-build window
         return build(tables, rank)
 
-    monkeypatch.setattr(exchange._PlanTables, "rank_plan", slow_build)
+    monkeypatch.setattr(tables.PlanTables, "rank_plan", slow_build)
     barrier, results = threading.Barrier(8), []
 
     def worker():

@@ -1,4 +1,4 @@
-"""plan.cost (review objection 2): the calibrated tile cost model, its fit, and Algorithm 2 fed with it."""
+"""plan.model.kernel_cost (review objection 2): the calibrated tile cost model, its fit, and Algorithm 2 fed with it."""
 from __future__ import annotations
 
 import itertools
@@ -10,11 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.config import TilePlacement
-from libra_megatron.plan.cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
+from libra_megatron.plan.model import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.tiles import build_tiles, place_tiles
 from libra_megatron.plan.pool import plan_pool
-from libra_megatron.plan.tiles import build_tiles
 
 from .test_placement import pools, reference_alg2
 from .test_pool import setup as pool_setup

@@ -1,4 +1,4 @@
-"""Sync-aware VRSP (plan/lanes.py): a permutation in GA-major, pool-minor order whose lane totals are balanced,
+"""Sync-aware VRSP (plan/sequences/lanes.py): a permutation in GA-major, pool-minor order whose lane totals are balanced,
 checked against brute force on small windows and against Algorithm 1 under the same model."""
 import itertools
 
@@ -8,10 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.config import SequencePlacement
-from libra_megatron.plan.lanes import lane_loads, place_for_sync, sync_proxy_seconds
-from libra_megatron.plan.sequences import assign_to_ranks, place_sequences
-from libra_megatron.plan.sync import SyncLayout
-from libra_megatron.plan.workload import imbalance
+from libra_megatron.plan.sequences import (SyncLayout, assign_to_ranks, lane_loads, place_for_sync, place_sequences,
+                                           sync_proxy_seconds)
+from libra_megatron.plan.model import imbalance
 
 
 def _long_tailed(rng, n):

@@ -1,11 +1,11 @@
-"""plan.local_entries: which varlen entries read only self-sourced rows (the local-first split, issue 14)."""
+"""plan.exchange.local_entries: which varlen entries read only self-sourced rows (the local-first split, issue 14)."""
 import numpy as np
 from hypothesis import given, settings
 
 from libra_megatron.plan.exchange import build_exchange_plan
-from libra_megatron.plan.local_entries import (LOCAL, SPLIT, entry_pair_heads, foreign_rows_in, rank_entry_kinds,
-                                               rank_local_entries, self_tail_start)
-from libra_megatron.plan.tiles import causal_pairs
+from libra_megatron.plan.exchange.local_entries import (LOCAL, SPLIT, foreign_rows_in, rank_entry_kinds,
+                                                        rank_local_entries, self_tail_start)
+from libra_megatron.plan.model import causal_pairs, entry_pair_heads
 from libra_megatron.testing.unit_tables import entry_kinds_by_units, local_entries_by_units
 
 from .test_exchange import SETTINGS, pools

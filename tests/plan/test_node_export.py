@@ -1,4 +1,4 @@
-"""Dense-first node export (plan.node_export, tile placement 'dense'): only the nodes Algorithm 2 overloads
+"""Dense-first node export (plan.tiles.node_export, tile placement 'dense'): only the nodes Algorithm 2 overloads
 ship work, their densest tiles, as little as the net imbalance; never slower than Algorithm 2 under the
 step-time model."""
 from __future__ import annotations
@@ -8,18 +8,14 @@ import pytest
 from hypothesis import given, settings
 
 from libra_megatron.config import LibraConfig, TilePlacement
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import build_exchange_plan, plan_worker_seconds, validate_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.node_export import export_dense_first, tile_density
+from libra_megatron.plan.tiles.node_export import export_dense_first, tile_density
 from libra_megatron.plan.packing import pack_documents
-from libra_megatron.plan import placement
-from libra_megatron.plan.placement import place_tiles
-from libra_megatron.plan.timeaware import plan_worker_seconds
+from libra_megatron.plan.tiles import build_tiles, place_tiles, placement
 from libra_megatron.plan.pool import plan_pool
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timing import StepTimeModel
+from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.plan.traces import find_trace, load_trace
-from libra_megatron.plan.validate import validate_plan
 
 from .test_exchange import SETTINGS, pools
 from .test_timeaware import SLOW, _plan_seconds, wiki_tiles

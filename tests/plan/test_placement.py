@@ -7,11 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from libra_megatron.config import KvFetch, TilePlacement, TilingPolicy, TokenLayoutKind
-from libra_megatron.plan import alg2
+from libra_megatron.plan.tiles import alg2, assignment_comm_bytes, build_tiles, place_tiles
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.placement import assignment_comm_bytes, place_tiles
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.workload import worker_lower_bound
+from libra_megatron.plan.model import worker_lower_bound
 
 HEADS = {  # (hq, hkv, d): Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, paper microbench 256K / 1M
     "qwen3-8b": (32, 8, 128),

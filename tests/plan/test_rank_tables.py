@@ -1,12 +1,11 @@
-"""plan.rank_tables: the run tables expand to exactly the unit-based row tables, in O(runs) on the host."""
+"""plan.exchange.runtime_tables: the run tables expand to exactly the unit-based row tables, in O(runs) on the host."""
 import numpy as np
 import pytest
 
-from libra_megatron.plan.timing import StepTimeModel
-from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
-from libra_megatron.plan.local_entries import rank_local_entries
+from libra_megatron.plan.model import StepTimeModel
+from libra_megatron.plan.exchange import IndexRuns, RowRuns, build_exchange_plan, build_rank_tables, rank_tables
+from libra_megatron.plan.exchange.local_entries import rank_local_entries
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables, rank_tables
 from libra_megatron.plan.tiles import build_tiles
 from libra_megatron.testing.unit_tables import entry_kinds_by_units, local_entries_by_units, unit_tables
 

@@ -14,14 +14,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra_megatron.plan.exchange import _build_exchange_plan, build_exchange_plan
+from libra_megatron.plan.exchange.builder import _build_exchange_plan, build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.local_entries import LOCAL, SPLIT, entry_pair_heads, rank_entry_kinds
+from libra_megatron.plan.exchange.local_entries import LOCAL, SPLIT, rank_entry_kinds
+from libra_megatron.plan.model import StepTimeModel, entry_pair_heads
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timeaware import plan_worker_seconds
-from libra_megatron.plan.timing import StepTimeModel
-from libra_megatron.plan.traffic import plan_traffic
-from libra_megatron.plan.validate import validate_plan
+from libra_megatron.plan.exchange import plan_traffic, plan_worker_seconds, validate_plan
 from libra_megatron.testing.execute import return_kv_grads_numpy, run_routes_numpy
 from libra_megatron.testing.unit_tables import entry_kinds_by_units
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from libra_megatron.config import SequencePlacement
 from libra_megatron.plan.sequences import assign_to_ranks, place_sequences, pool_loads
-from libra_megatron.plan.workload import pool_lower_bound_counting
+from libra_megatron.plan.model import pool_lower_bound_counting
 
 METHODS = list(SequencePlacement)
 

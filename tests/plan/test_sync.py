@@ -1,11 +1,11 @@
-"""Synchronisation model (plan/sync.py): pipeline schedules against hand-computed cases and the textbook bubble,
+"""Synchronisation model (plan/sequences/sync.py): pipeline schedules against hand-computed cases and the textbook bubble,
 pools / lanes / EP ties against hand-computed steps, Megatron's rank order for EP groups."""
 import itertools
 
 import numpy as np
 import pytest
 
-from libra_megatron.plan.sync import SyncLayout, pipeline_schedule, pool_step_timing, step_timing
+from libra_megatron.plan.sequences import SyncLayout, pipeline_schedule, pool_step_timing, step_timing
 
 
 def _run(pp, vpp, fwd_per_microbatch, ratio=2.0):

@@ -1,4 +1,4 @@
-"""Time-aware tile placement (plan.timeaware): priced like the exchange plan, never slower than Algorithm 2."""
+"""Time-aware tile placement (plan.tiles.timeaware): priced like the exchange plan, never slower than Algorithm 2."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,17 +6,14 @@ import pytest
 from hypothesis import given, settings
 
 from libra_megatron.config import LibraConfig, TilePlacement
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import build_exchange_plan, plan_traffic
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.packing import pack_documents
-from libra_megatron.plan.placement import place_tiles
+from libra_megatron.plan.tiles import build_tiles, place_tiles, timeaware
 from libra_megatron.plan.pool import plan_pool
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan import timeaware
-from libra_megatron.plan.timeaware import _PoolTraffic, worker_times
-from libra_megatron.plan.timing import StepTimeModel
+from libra_megatron.plan.tiles.timeaware import _PoolTraffic, worker_times
+from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.plan.traces import find_trace, load_trace
-from libra_megatron.plan.traffic import plan_traffic
 
 from .test_exchange import SETTINGS, pools
 
@@ -26,7 +23,7 @@ SLOW = dict(attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=2e-4, gpus_p
 
 def _plan_seconds(tiles, assignment, model):
     """Independent pricing: the exchange plan's own traffic per phase and local/remote split, then the
-    Pipeliner timeline (``plan.timing``)."""
+    Pipeliner timeline (``plan.model.timing``)."""
     plan = build_exchange_plan(tiles, np.asarray(assignment))
     dispatch, ret = plan_traffic(plan).phase_seconds(model.nodes(tiles.num_workers), model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
@@ -121,7 +118,7 @@ def test_refined_assignment_is_kept_only_when_the_exchange_plans_say_it_is_faste
 def test_timing_model_is_only_for_the_time_placement_and_checked(wiki_pool):
     with pytest.raises(ValueError, match="only read by tile placement 'time' or 'dense', not 'alg2'"):
         place_tiles(wiki_pool, 0.03, TilePlacement.ALG2, timing=StepTimeModel(16))
-    with pytest.raises(ValueError, match="StepTimeModel.inter_node_gbps must be a finite number > 0, got 0"):
+    with pytest.raises(ValueError, match=r"--inter-node-gbps must be a finite number > 0, got 0 \(StepTimeModel.inter_node_gbps\)"):
         StepTimeModel(16, inter_node_gbps=0)
 
 

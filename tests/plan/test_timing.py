@@ -1,4 +1,4 @@
-"""plan.timing: the Pipeliner's event timeline, against hand-computed timelines and an interpreter of the
+"""plan.model.timing: the Pipeliner's event timeline, against hand-computed timelines and an interpreter of the
 runtime's schedule listing (one FIFO link, one compute stream)."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra_megatron.plan.timing import StepTimeModel, best_lead, pipeline_seconds
+from libra_megatron.plan.model import StepTimeModel, best_lead, pipeline_seconds
 
 
 def _listing(M: int, lead: int):
-    """The forward of ``runtime.libra_attn._fwd`` as listed in ``plan.timing``, one op per line."""
+    """The forward of ``runtime.libra_attn._fwd`` as listed in ``plan.model.timing``, one op per line."""
     ops = [("issue", "D", m) for m in range(M)] + [("compute", "L", m) for m in range(lead)]
     for m in range(M):
         ops += [("wait", "D", m), ("compute", "X", m), ("issue", "R", m)]
@@ -194,7 +194,7 @@ def test_hand_computed_relay_timeline():
     issues F0 at 3 (worker 1 issued at 1) -> F0 [3,5]; it only sends, so X0 [3,7], R0 [7,8]: 8. Worker 1:
     D0 [0,1]; F0 needs worker 0's issue -> [3,5]; it waits F0: X0 [5,7], R0 [7,8]: 8. Without the relay
     wait worker 1 would end at 1 + 2 + 1 = 4."""
-    from libra_megatron.plan.timing import RelayTiming
+    from libra_megatron.plan.model import RelayTiming
 
     relay = RelayTiming(seconds=np.array([[2.0], [2.0]]), partners=np.array([[False, True], [True, False]]),
                         receives=np.array([[False], [True]]))
@@ -208,7 +208,7 @@ def test_hand_computed_relay_timeline():
 def _relay_timelines(draw):
     local, remote, dispatch, ret = draw(_timelines())
     W, M = dispatch.shape
-    from libra_megatron.plan.timing import RelayTiming
+    from libra_megatron.plan.model import RelayTiming
 
     moves = np.array(draw(st.lists(st.booleans(), min_size=W * W, max_size=W * W))).reshape(W, W)
     np.fill_diagonal(moves, False)

@@ -1,4 +1,4 @@
-"""plan.traffic: bytes per link, worker and Pipeliner phase read off an ExchangePlan, against its routes."""
+"""plan.exchange.traffic: bytes per link, worker and Pipeliner phase read off an ExchangePlan, against its routes."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 
 from libra_megatron.plan.errors import PlanError
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import build_exchange_plan, plan_traffic, validate_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timing import StepTimeModel
-from libra_megatron.plan.traffic import plan_traffic
-from libra_megatron.plan.validate import validate_plan
+from libra_megatron.plan.model import StepTimeModel
 
 
 def _plan(heads, seed=0):

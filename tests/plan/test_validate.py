@@ -9,10 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libra_megatron.plan.errors import PlanError
-from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan
+from libra_megatron.plan.exchange import IndexRuns, build_exchange_plan, validate_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.validate import validate_plan
 
 from .test_exchange import pools
 

@@ -6,14 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from libra_megatron.plan.workload import (
-    clt_expected_imbalance,
-    imbalance,
-    pool_lower_bound,
-    pool_lower_bound_counting,
-    sequence_flops,
-    worker_lower_bound,
-)
+from libra_megatron.plan.model import (clt_expected_imbalance, imbalance, pool_lower_bound,
+    pool_lower_bound_counting, sequence_flops, worker_lower_bound)
 
 
 def optimal_max_pool(flops, pool_size):

@@ -85,7 +85,7 @@ def _build(case, rank_override_assign=None, with_tiles=False):
     from libra_megatron.config import TilePlacement
     from libra_megatron.plan.exchange import build_exchange_plan
     from libra_megatron.plan.layout import HeadLayout, TokenLayout
-    from libra_megatron.plan.placement import place_tiles
+    from libra_megatron.plan.tiles import place_tiles
     from libra_megatron.plan.tiles import build_tiles
 
     elem = 8 if case["dtype"] == "float64" else 4
@@ -102,7 +102,7 @@ def _build(case, rank_override_assign=None, with_tiles=False):
         assign = place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment
     timing = None
     if case.get("nodes"):
-        from libra_megatron.plan.timing import StepTimeModel
+        from libra_megatron.plan.model import StepTimeModel
 
         timing = StepTimeModel(case["d"], worker_nodes=case["nodes"], kv_relay=True, **RELAY_MODEL)
     plan = build_exchange_plan(tiles, assign, timing)
@@ -153,7 +153,7 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
     relay_recv = 0 if rp.relay_route is None else int(rp.relay_route.recv_splits.sum())
     kv_recv_remote += relay_recv  # dK|dV of relayed rows go back to the relay (the input dtype = fp32 sums here)
-    from libra_megatron.plan.memory import saved_bytes_per_rank
+    from libra_megatron.plan.model import saved_bytes_per_rank
     from libra_megatron.testing.unit_tables import entry_kinds_by_units
 
     predicted = int(saved_bytes_per_rank(plan, rp.heads, layout.local_len, case["save_mode"])[rank])

@@ -4,8 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libra_megatron.plan.exchange import build_exchange_plan
-from libra_megatron.plan.rank_tables import RowRuns, build_rank_tables
+from libra_megatron.plan.exchange import RowRuns, build_exchange_plan, build_rank_tables
 from libra_megatron.runtime import routes
 from libra_megatron.testing.unit_tables import unit_tables
 

@@ -36,6 +36,6 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     for e in table["entries"]:
         n = max(1, 32 // e["block_tokens"])  # dry run: 32 tokens per call
         assert e["pairs"] == n * e["block_tokens"] * (e["block_tokens"] + 1) // 2 and e["seconds"] > 0
-    from libra_megatron.sim.cost import CalibrationTable
+    from libra_megatron.plan.model import CalibrationTable
 
     assert CalibrationTable.from_json(str(out / "calibration.json")).heads == (1, 2)  # the simulator reads it

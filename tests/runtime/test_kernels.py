@@ -3,8 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from libra_megatron.config import KernelBackendName
-from libra_megatron.runtime.kernels import torch_ref
-from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, varlen_bwd, varlen_fwd
+from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_ref, varlen_bwd, varlen_fwd
 
 
 def _dense_entry(q, k, v, scale):

@@ -102,7 +102,7 @@ def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
                 assert (got.get("q_bwd", 0), got.get("kv_bwd", 0), got.get("o_bwd", 0)) == (bq, bkv, bq), (i, rank)
             else:
                 assert "q_bwd" not in got and r["saved_bytes"] > 0
-            assert r["saved_bytes"] == r["saved_predicted"], (i, rank, case["save_mode"])  # plan.memory
+            assert r["saved_bytes"] == r["saved_predicted"], (i, rank, case["save_mode"])  # plan.model.memory
             # every exchange this rank waited on was timed (CPU gloo: ExchangeStats.wait_seconds, the benchmark's input)
             assert {"q", "kv", "o", "do", "dq", "dkv"} <= set(r["waited"]), (i, rank, r["waited"])
         total_kv = sum(res["libra"][i]["bytes"].get("kv", 0) for res in results)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from libra_megatron.sim.__main__ import run
-from libra_megatron.sim.cost import CostModel
+from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.sim.hybrid_cp import HybridCpDims, price_schedule, ring_document_seconds
 
-COST = CostModel(head_dim=8, attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=5e-4, gpus_per_node=2)
+COST = StepTimeModel(head_dim=8, attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=5e-4, gpus_per_node=2,
+                     kv_relay=True)
 DIMS = HybridCpDims(num_q_heads=4, num_kv_heads=2, elem_bytes=2)
 
 

@@ -117,7 +117,7 @@ def test_packing_memory_estimate_is_an_upper_bound_of_the_measured_peak(seq_len,
     """tracemalloc peak of packing + the simulator's per-sequence arrays on real lengths (first 20K Linux docs)."""
     import tracemalloc
 
-    from libra_megatron.plan.workload import sequence_flops
+    from libra_megatron.plan.model import sequence_flops
     from libra_megatron.sim.baselines import sequence_pair_heads
     from libra_megatron.testing.traces import trace_lengths
 

@@ -8,15 +8,13 @@ from libra_megatron.config import TilePlacement
 from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.packing import pack_documents
-from libra_megatron.plan.placement import place_tiles
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.traces import load_trace
+from libra_megatron.plan.tiles import build_tiles, place_tiles
+from libra_megatron.plan.traces import find_trace, load_trace
 from libra_megatron.sim.__main__ import build_parser, spec_from_args
-from libra_megatron.sim.cost import CostModel
+from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.sim.pools import TrafficEdges, link_bytes, local_compute_seconds, pool_result, traffic_edges
 from libra_megatron.sim.runner import run_simulation
 
-from libra_megatron.plan.traces import find_trace
 
 LINUX = find_trace("linux-6.12-files.qwen.txt")
 
@@ -60,8 +58,8 @@ def test_pool_result_prices_the_plans_local_entries_first(linux_slice):
     hosted = build_exchange_plan(tiles, placed.assignment).hosted_pair_heads
     assert hosted[0].sum() > 0 and hosted[1].sum() > 0  # both kinds of entries occur
     slow = dict(attn_tflops=1e-3, intra_node_gbps=1e-2, inter_node_gbps=5e-3, gpus_per_node=4)
-    new = pool_result(tiles, placed, CostModel(head_dim=128, **slow), 0)
-    old = pool_result(tiles, placed, CostModel(head_dim=128, local_first=False, **slow), 0)
+    new = pool_result(tiles, placed, StepTimeModel(head_dim=128, **slow, kv_relay=True), 0)
+    old = pool_result(tiles, placed, StepTimeModel(head_dim=128, local_first=False, **slow, kv_relay=True), 0)
     assert np.allclose(new.local_compute_seconds, new.compute_seconds * hosted[0] / hosted.sum(axis=0))
     assert np.allclose(hosted.sum(axis=0), placed.loads)
     assert (new.seconds <= old.seconds + 1e-12).all() and (new.seconds < old.seconds).any()
@@ -71,18 +69,18 @@ def test_pool_result_prices_the_plans_local_entries_first(linux_slice):
 def test_pool_result_prices_a_relayed_plan_as_the_planner_does(linux_slice):
     """With kv_relay the simulator prices the plan the planner builds (its relay hop and leads included), and
     the slowest worker is never slower than pricing the direct plan."""
-    from libra_megatron.plan.timeaware import plan_worker_seconds
+    from libra_megatron.plan.exchange import plan_worker_seconds
 
     seqs = pack_documents(linux_slice, 16384, "megatron", 7)[:8]
     tiles = build_tiles(seqs, TokenLayout("zigzag", 16384, 2), HeadLayout(32, 4, 128, 2, 4), 1024)
     placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
     slow = dict(attn_tflops=1e-3, intra_node_gbps=1e-2, inter_node_gbps=1e-4, gpus_per_node=4)
-    cost = CostModel(head_dim=128, **slow)
-    timing = cost.step_time_model(0)
+    cost = StepTimeModel(head_dim=128, **slow, kv_relay=True)
+    timing = cost.at_gpu(0)
     plan = build_exchange_plan(tiles, placed.assignment, timing)
     assert plan.relay_units is not None and plan.relay_units.sum() > 0
     relayed = pool_result(tiles, placed, cost, 0)
-    direct = pool_result(tiles, placed, CostModel(head_dim=128, kv_relay=False, **slow), 0)
+    direct = pool_result(tiles, placed, StepTimeModel(head_dim=128, kv_relay=False, **slow), 0)
     np.testing.assert_allclose(relayed.seconds, plan_worker_seconds(plan, timing), rtol=1e-12)
     assert relayed.seconds.max() <= direct.seconds.max() * (1 + 1e-12)
     assert relayed.bytes_qkvo == direct.bytes_qkvo  # the same rows reach every destination

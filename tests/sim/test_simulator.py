@@ -10,13 +10,11 @@ import pytest
 from libra_megatron.config import SequencePlacement, TilePlacement
 from libra_megatron.plan.exchange import build_exchange_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.local_entries import LOCAL, SPLIT, entry_pair_heads, rank_entry_kinds
+from libra_megatron.plan.exchange.local_entries import LOCAL, SPLIT, rank_entry_kinds
+from libra_megatron.plan.model import entry_pair_heads, pipeline_seconds
 from libra_megatron.plan.packing import pack_documents
-from libra_megatron.plan.placement import place_tiles
-from libra_megatron.plan.sequences import place_sequences
-from libra_megatron.plan.sync import SyncLayout
-from libra_megatron.plan.tiles import build_tiles
-from libra_megatron.plan.timing import pipeline_seconds
+from libra_megatron.plan.tiles import build_tiles, place_tiles
+from libra_megatron.plan.sequences import SyncLayout, place_sequences
 from libra_megatron.sim.__main__ import build_parser, run, spec_from_args
 from libra_megatron.sim.runner import run_simulation
 

@@ -6,11 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from libra_megatron.plan.traces import load_trace, load_traces
+from libra_megatron.plan.traces import find_trace, load_trace, load_traces
 from libra_megatron.sim.baselines import sequence_pair_heads, ulysses_comm_bytes, wlb_repack
-from libra_megatron.sim.cost import CalibrationTable, CostModel
+from libra_megatron.plan.model import CalibrationTable, StepTimeModel
 
-from libra_megatron.plan.traces import find_trace
 
 LINUX = find_trace("linux-6.12-files.qwen.txt")
 
@@ -56,8 +55,8 @@ def test_calibration_interpolates_log_linear_and_clamps(tmp_path):
     assert np.allclose(got, [100, 150, 200, 200, 100])  # 2048 is halfway in log2
     assert np.allclose(table.flops_per_second(np.array([2048]), 1), [100])
     assert np.allclose(table.flops_per_second(np.array([2048]), 2), [125])  # halfway between 1 and 4 heads in log2
-    cost = CostModel(head_dim=64, calibration=table)
-    assert np.allclose(cost.compute_seconds([10.0], [4096], 4), [4 * 64 * 10.0 / 200])
+    cost = StepTimeModel(head_dim=64, calibration=table, kv_relay=True)
+    assert np.allclose(cost.call_seconds([10.0], [4096], 4), [4 * 64 * 10.0 / 200])
     assert math.isclose(float(cost.peak_compute_seconds(10.0)), 4 * 64 * 10.0 / 200)
 
 
@@ -69,29 +68,29 @@ def test_calibration_errors_name_the_flag(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_table()))
     with pytest.raises(ValueError, match="--head-dim"):
-        CostModel(head_dim=128, calibration=CalibrationTable.from_json(str(good)))
+        StepTimeModel(head_dim=128, calibration=CalibrationTable.from_json(str(good)))
 
 
 def test_cost_model_prices_a_worker_by_the_pipeliner_timeline_and_the_default_rates():
-    cost = CostModel(head_dim=8, intra_node_gbps=2.0, inter_node_gbps=1.0, num_chunks=2)
+    cost = StepTimeModel(head_dim=8, intra_node_gbps=2.0, inter_node_gbps=1.0, kv_relay=True)
     assert cost.comm_seconds([4e9], [3e9]).tolist() == [3.0]  # max(4/2, 3/1)
     # M=2, local 2 s, remote 4 s, every transfer 1 s (tests/plan/test_timing.py by hand): 6 s local first,
     # 8 s (= compute + first dispatch + last return) with --no-local-first
     args = ([2.0], [4.0], [[1.0, 1.0]], [[1.0, 1.0]])
     assert cost.worker_seconds(*args).tolist() == [6.0]
-    old = CostModel(head_dim=8, num_chunks=2, local_first=False)
+    old = StepTimeModel(head_dim=8, local_first=False, kv_relay=True)
     assert old.worker_seconds(*args).tolist() == [8.0]
     assert old.assumptions()["local_first"] is False and "local entries" not in old.assumptions()["step_time"]
     assert "no local split" in old.assumptions()["step_time"]
     assert "local entries while the dispatches travel" in cost.assumptions()["step_time"]
-    # one place for the default rates: the CLI, CostModel and StepTimeModel agree (values unchanged)
+    # one place for the default rates: the CLI and StepTimeModel agree (values unchanged)
     from libra_megatron.sim.__main__ import build_parser
     args = build_parser().parse_args(["--trace", "x", "--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2"])
-    default = CostModel(head_dim=8)
+    default = StepTimeModel(head_dim=8, kv_relay=True)
     assert (args.attn_tflops, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node) == (400.0, 300.0, 50.0, 8)
     assert (default.attn_tflops, default.intra_node_gbps, default.inter_node_gbps, default.gpus_per_node) == \
         (400.0, 300.0, 50.0, 8)
-    timing = default.step_time_model(0)
+    timing = default.at_gpu(0)
     assert (timing.attn_tflops, timing.intra_node_gbps, timing.inter_node_gbps, timing.gpus_per_node) == \
         (400.0, 300.0, 50.0, 8)
     assert args.no_local_first is False and timing.local_first is True

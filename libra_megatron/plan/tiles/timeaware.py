@@ -2,8 +2,8 @@
 
 Pure Python + numpy. Algorithm 2 balances FLOPs and prices bytes only among workers with headroom; it
 never trades a little balance for much less traffic, and it does not know which bytes cross nodes. Here
-the objective is the step time of ``plan.timing`` (the Pipeliner timeline per worker, from the traffic the
-exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as ``plan.traffic``
+the objective is the step time of ``plan.model.timing`` (the Pipeliner timeline per worker, from the traffic the
+exchange plan of the assignment moves -- the same per-link, per-kind and per-phase bytes as ``plan.exchange.traffic``
 -- and its split into local and remote entries). Starting from Algorithm 2's assignment, each round takes
 the slowest worker w* and tries single-tile moves that touch it:
     tiles w* hosts                   -> their Q-home, the lightest workers, workers on w*'s node
@@ -19,7 +19,7 @@ So the search is a heuristic, and the guarantee is checked on the real plans: ``
 both final assignments with ``worker_times`` (the exchange plan's traffic, ``hosted_pair_heads`` and lead)
 and returns Algorithm 2's unless the refined one is faster. The result is never slower than Algorithm 2
 under the model (tested), even where it leaves more FLOPs imbalance. The same search (``time_moves``) is the
-last step of the 'dense' placement (``plan.placement``): ``DENSE_TIME_ROUNDS`` rounds of a narrower search
+last step of the 'dense' placement (``plan.tiles.placement``): ``DENSE_TIME_ROUNDS`` rounds of a narrower search
 (``DENSE_WIDTH``) after the node export, kept only when the exchange plans price them faster.
 """
 from __future__ import annotations
@@ -29,14 +29,11 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .exchange import build_exchange_plan
-from .kv_refs import expand_ranges, home_runs_in_prefix
-from .local_entries import entry_pair_heads
+from ..exchange import build_exchange_plan, chunk_phase_bytes, expand_ranges, home_runs_in_prefix, plan_worker_seconds
+from ..model import StepTimeModel, entry_pair_heads
 from .tiles import TileSet
-from .timing import StepTimeModel
-from .traffic import chunk_phase_bytes, plan_traffic
 
-__all__ = ["refine_for_time", "time_moves", "worker_times", "plan_worker_seconds", "MAX_MOVES_PER_WORKER",
+__all__ = ["refine_for_time", "time_moves", "worker_times", "MAX_MOVES_PER_WORKER",
            "DENSE_TIME_ROUNDS", "DENSE_WIDTH"]
 
 MAX_MOVES_PER_WORKER = 2  # at most 2*W accepted moves per pool
@@ -58,7 +55,7 @@ _NCOL = 10
 
 def _home_local_flops(tiles: TileSet) -> np.ndarray:
     """float64 [T]: pair-heads every tile computes before any dispatch arrives when it stays on its Q-home
-    (``plan.local_entries`` before entries merge): each fragment [a, e) attends locally to the suffix [s, e)
+    (``plan.exchange.local_entries`` before entries merge): each fragment [a, e) attends locally to the suffix [s, e)
     of its key rows [0, e) that the home holds (s = 0: a local entry; s > 0: a split entry's key tail)."""
     nfrag = np.diff(tiles.frag_ptr)
     block = np.repeat(np.arange(nfrag.size, dtype=np.int64), nfrag)
@@ -144,7 +141,7 @@ class _PoolTraffic:
 
     # ----------------------------------------------------------------- pricing
     def seconds(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds of workers with state ``rows`` [n, 10] (``plan.timing`` over ``plan.traffic``'s phases)."""
+        """Seconds of workers with state ``rows`` [n, 10] (``plan.model.timing`` over ``plan.exchange.traffic``'s phases)."""
         rows = np.asarray(rows, dtype=np.float64).reshape(-1, _NCOL)
         heads = self.tiles.heads
         intra, inter = (chunk_phase_bytes(*(rows[:, base + k] for k in (_QS, _QR, _KS, _KR)), heads)
@@ -240,16 +237,6 @@ def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray
     """float64 [W]: seconds of every worker under ``model`` for ``assignment``, priced from the exchange plan
     the runtime executes (``plan_worker_seconds``)."""
     return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64), model), model)
-
-
-def plan_worker_seconds(plan, model: StepTimeModel) -> np.ndarray:
-    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
-    timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
-    (``plan.traffic``, and its relay hop) -- what the simulator prices."""
-    traffic, nodes = plan_traffic(plan), model.nodes(plan.num_workers)
-    dispatch, ret = traffic.phase_seconds(nodes, model)
-    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
-    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead, traffic.relay_timing(nodes, model))
 
 
 def _largest(items, key, limit: int) -> List[int]:
@@ -373,7 +360,7 @@ def time_moves(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel, max
     """The search alone: up to ``max_rounds`` rounds of the best move off the slowest worker under ``model``'s
     incremental estimate (module docstring; ``width`` as in ``_best_move``), stopping at the first round with
     no improving move. Unchecked: callers keep the result only when the exchange plans price it faster
-    (``refine_for_time``, ``plan.placement``'s dense placement)."""
+    (``refine_for_time``, ``plan.tiles.placement``'s dense placement)."""
     pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
     index = _index(pool)
     for _ in range(max_rounds):

@@ -1,6 +1,7 @@
 """Variance-Reduced Sequence Placement (§4.2): group the GBS packed sequences of one step into pools.
 
-Pure Python + numpy. Input ``flops`` (float64, GBS) are Eq. 4 workloads ``F_i`` (see
+Pure Python + numpy. This module holds the three placers that need no layout; ``placement.place_sequences``
+picks one (or ``lanes.place_for_sync``). Input ``flops`` (float64, GBS) are Eq. 4 workloads ``F_i`` (see
 ``workload.sequence_flops``). Output is a permutation ``order`` of ``range(GBS)`` in GA-major,
 pool-minor order: pool k holds the original sequences ``order[k*P:(k+1)*P]``. The multiset of
 sequences is preserved by construction (a permutation), so each optimizer step sees the same samples.
@@ -11,21 +12,20 @@ Methods (``SequencePlacement``):
   REFINED     ALG1, then pairwise swaps between the heaviest pool and one of the 16 lightest pools
               while they lower the heaviest load (steepest descent on the pair maximum). Never worse
               than ALG1; on the shared traces within 0.01-0.03 pp of ``pool_lower_bound_counting``.
-  SYNC        balance what the step waits for under ``plan.sync`` (lane totals, then each lane's
-              microbatches): ``plan.lanes.place_for_sync``. It needs the step's ``SyncLayout``; without one
+  SYNC        balance what the step waits for under ``plan.sequences.sync`` (lane totals, then each lane's
+              microbatches): ``plan.sequences.lanes.place_for_sync``. It needs the step's ``SyncLayout``; without one
               (a single GA step: lanes are the instances) it is REFINED.
 """
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Dict, Tuple
+from typing import Tuple
 
 import numpy as np
 
-from ..config import SequencePlacement
-from .workload import _check_pool_split
+from ..model import check_pool_split
 
-__all__ = ["place_sequences", "pool_loads", "assign_to_ranks"]
+__all__ = ["pool_loads", "place_contiguous", "place_alg1", "place_refined"]
 
 _MAX_SWAPS_PER_POOL = 8  # refinement stops after 8*K swaps (it almost always stops far earlier)
 _SWAP_PARTNERS = 16  # the heaviest pool swaps with one of the 16 lightest pools
@@ -42,15 +42,15 @@ def pool_loads(flops, order, pool_size: int) -> np.ndarray:
     """Aggregate workload of every pool: ``loads[k] = sum(F[order[k*P:(k+1)*P]])``. float64 (K,)."""
     flops = _as_flops(flops)
     order = np.asarray(order, dtype=np.int64).reshape(-1)
-    num_pools = _check_pool_split(order.size, pool_size)
+    num_pools = check_pool_split(order.size, pool_size)
     return flops[order].reshape(num_pools, pool_size).sum(axis=1)
 
 
-def _place_contiguous(flops: np.ndarray, pool_size: int) -> np.ndarray:
+def place_contiguous(flops: np.ndarray, pool_size: int) -> np.ndarray:
     return np.arange(flops.size, dtype=np.int64)
 
 
-def _place_alg1(flops: np.ndarray, pool_size: int) -> np.ndarray:
+def place_alg1(flops: np.ndarray, pool_size: int) -> np.ndarray:
     """Algorithm 1 line by line. Stable sort of -F gives (decreasing F, increasing i).
 
     Heap entries (load_k, k) are distinct, so replacing the popped root (``heapreplace``) pops the same
@@ -120,60 +120,10 @@ def _swap(grid: np.ndarray, weights: np.ndarray, loads: np.ndarray, a: Tuple[int
     loads[b[0]] += moved
 
 
-def _place_refined(flops: np.ndarray, pool_size: int) -> np.ndarray:
-    start = _place_alg1(flops, pool_size)
+def place_refined(flops: np.ndarray, pool_size: int) -> np.ndarray:
+    start = place_alg1(flops, pool_size)
     refined = _refine_by_swaps(flops, start, pool_size)
     # exact re-check (incremental float updates could drift for non-integer inputs)
     if pool_loads(flops, refined, pool_size).max() <= pool_loads(flops, start, pool_size).max():
         return refined
     return start
-
-
-_PLACERS: Dict[SequencePlacement, Callable[[np.ndarray, int], np.ndarray]] = {
-    SequencePlacement.CONTIGUOUS: _place_contiguous,
-    SequencePlacement.ALG1: _place_alg1,
-    SequencePlacement.REFINED: _place_refined,
-    SequencePlacement.SYNC: _place_refined,  # without a layout: one GA step, lanes are the instances
-}
-
-
-def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, layout=None) -> np.ndarray:
-    """VRSP: a permutation of ``range(GBS)`` in GA-major, pool-minor order (pool k = order[k*P:(k+1)*P]).
-
-    ``flops``: float64 (GBS,) Eq. 4 workloads. ``pool_size``: P, must divide GBS. ``layout``: the step's
-    ``plan.sync.SyncLayout`` (read by SYNC only; its pool size must be P). Deterministic. Returns int64 (GBS,).
-    """
-    flops = _as_flops(flops)
-    _check_pool_split(flops.size, pool_size)
-    method = SequencePlacement(method)
-    if method is SequencePlacement.SYNC and layout is not None:
-        from .lanes import place_for_sync  # lanes builds on this module
-
-        if layout.pool_size != pool_size:
-            raise ValueError(f"the sync layout's pool size {layout.pool_size} differs from pool_size (P) {pool_size}")
-        return place_for_sync(flops, layout)
-    return _PLACERS[method](flops, pool_size)
-
-
-def assign_to_ranks(order, data_parallel_size: int, pool_size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Where each position of ``order`` runs: (ga_index, dp_rank), both int64 (GBS,).
-
-    Position n runs at GA index ``n // DP`` on DP rank ``n % DP`` (mbs = 1). Pool k of the order then
-    occupies GA index ``k*P // DP`` and the consecutive DP ranks ``(k % (DP/P))*P + j``, j < P (Fig. 7).
-    """
-    order = np.asarray(order, dtype=np.int64).reshape(-1)
-    gbs = order.size
-    if pool_size < 1 or data_parallel_size < 1:
-        raise ValueError(f"pool_size (P) and data_parallel_size (DP) must be >= 1, got {pool_size}, {data_parallel_size}")
-    if data_parallel_size % pool_size:
-        raise ValueError(
-            f"pool_size (P) {pool_size} must divide data_parallel_size (DP) {data_parallel_size} "
-            f"({data_parallel_size} % {pool_size} = {data_parallel_size % pool_size})"
-        )
-    if gbs % data_parallel_size:
-        raise ValueError(
-            f"data_parallel_size (DP) {data_parallel_size} must divide the global batch size (GBS) {gbs} "
-            f"({gbs} % {data_parallel_size} = {gbs % data_parallel_size})"
-        )
-    positions = np.arange(gbs, dtype=np.int64)
-    return positions // data_parallel_size, positions % data_parallel_size

@@ -11,7 +11,7 @@ Arrival order, as ``runtime.libra_attn._fwd`` executes it (chunk m of M, F = chu
     return m     O rows of piece m (O/M)
 Dispatch m+1 is issued before compute m and return m is waited after compute m+1; with local-first, the
 local entries of chunk m compute while dispatch m is in flight. ``phase_seconds`` gives every transfer's
-link seconds per worker, which ``plan.timing.pipeline_seconds`` lays on the Pipeliner's timeline. A plan's
+link seconds per worker, which ``plan.model.timing.pipeline_seconds`` lays on the Pipeliner's timeline. A plan's
 relay hop (``ExchangePlan.relay_units``) travels per K/V-sending chunk after its dispatch, on its own link
 (``relay_timing``).
 """
@@ -22,9 +22,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .layout import HeadLayout
+from ..layout import HeadLayout
+from ..model import RelayTiming
 
-__all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes"]
+__all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes", "plan_worker_seconds"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,14 +84,13 @@ class PlanTraffic:
 
     def phase_seconds(self, node_of_worker: np.ndarray, model) -> Tuple[np.ndarray, np.ndarray]:
         """(dispatch, ret), each float64 [W, M]: link seconds of every chunk's dispatch and return per worker,
-        ``model.comm_seconds`` (``StepTimeModel`` or ``sim.cost.CostModel``) applied to each phase's bytes."""
+        ``model.comm_seconds`` (``StepTimeModel`` or ``plan.model.StepTimeModel``) applied to each phase's bytes."""
         seconds = model.comm_seconds(*self.phase_link_bytes(node_of_worker))
         return seconds[:, 0], seconds[:, 1]
 
     def relay_timing(self, node_of_worker: np.ndarray, model):
-        """``plan.timing.RelayTiming`` of the relay hop (None without one): per K/V-sending chunk, the link
+        """``plan.model.timing.RelayTiming`` of the relay hop (None without one): per K/V-sending chunk, the link
         seconds of max(bytes sent, received) per link class (its share of the relay bytes, as the KV route's)."""
-        from .timing import RelayTiming
 
         if self.relay is None:
             return None
@@ -135,3 +135,13 @@ def traffic_of_units(peer_units, heads: HeadLayout, relay_units=None) -> PlanTra
     relay = None if relay_units is None else np.asarray(relay_units, dtype=np.float64) * heads.kv_bytes_per_token()
     return PlanTraffic(q=units[0] * heads.q_bytes_per_token(), kv=units[1] * heads.kv_bytes_per_token(), heads=heads,
                        relay=relay)
+
+
+def plan_worker_seconds(plan, model) -> np.ndarray:
+    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
+    timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
+    (``plan.exchange.traffic``, and its relay hop) -- what the simulator prices."""
+    traffic, nodes = plan_traffic(plan), model.nodes(plan.num_workers)
+    dispatch, ret = traffic.phase_seconds(nodes, model)
+    local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
+    return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead, traffic.relay_timing(nodes, model))

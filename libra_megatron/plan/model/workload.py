@@ -13,6 +13,11 @@ import numpy as np
 
 __all__ = [
     "sequence_flops",
+    "causal_pairs",
+    "entry_pair_heads",
+    "attention_flops",
+    "check_pool_split",
+    "balanced_step_seconds",
     "pool_lower_bound",
     "pool_lower_bound_counting",
     "worker_lower_bound",
@@ -36,7 +41,8 @@ def sequence_flops(seq_segments: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
-def _check_pool_split(num_sequences: int, pool_size: int) -> int:
+def check_pool_split(num_sequences: int, pool_size: int) -> int:
+    """K = GBS / P; ValueError names P and the arithmetic when P does not divide the number of sequences."""
     if pool_size < 1:
         raise ValueError(f"pool_size (P) must be >= 1, got {pool_size}")
     if num_sequences % pool_size:
@@ -54,7 +60,7 @@ def pool_lower_bound(flops, pool_size: int) -> float:
     the mean pool, and the pool that receives the largest sequence also receives P-1 others.
     """
     flops = np.sort(np.asarray(flops, dtype=np.float64).reshape(-1))
-    num_pools = _check_pool_split(flops.size, pool_size)
+    num_pools = check_pool_split(flops.size, pool_size)
     if flops.size == 0:
         return 0.0
     mean_bound = float(flops.sum()) / num_pools
@@ -107,7 +113,7 @@ def pool_lower_bound_counting(flops, pool_size: int) -> float:
     heaviest of the x pools carries at least their average. (j=0, x=1 is the outlier bound.)
     """
     desc = np.sort(np.asarray(flops, dtype=np.float64).reshape(-1))[::-1]
-    num_pools = _check_pool_split(desc.size, pool_size)
+    num_pools = check_pool_split(desc.size, pool_size)
     if desc.size == 0:
         return 0.0
     prefix = np.concatenate([[0.0], np.cumsum(desc)])
@@ -118,3 +124,23 @@ def pool_lower_bound_counting(flops, pool_size: int) -> float:
     light_part = prefix[desc.size] - prefix[desc.size - x * (pool_size - j - 1)]
     counting = float(((heavy_part + light_part) / x).max())
     return max(pool_lower_bound(flops, pool_size), counting)
+
+
+def causal_pairs(a: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Eq. 6 inner sum: sum_{q=a}^{e-1} (q+1) causal query-key pairs for doc-local rows [a, e)."""
+    a = np.asarray(a, dtype=np.int64)
+    e = np.asarray(e, dtype=np.int64)
+    return e * (e + 1) // 2 - a * (a + 1) // 2
+
+
+def entry_pair_heads(q_len, k_len, q_heads_per_shard: int) -> np.ndarray:
+    """Eq. 6 load of varlen entries: bottom-right causal pairs of q_len queries over k_len keys x heads."""
+    n = np.asarray(q_len, dtype=np.int64)
+    e = np.asarray(k_len, dtype=np.int64)
+    return (n * (e - n) + n * (n + 1) // 2) * int(q_heads_per_shard)
+
+
+def attention_flops(pair_heads, head_dim: int) -> np.ndarray:
+    """Forward attention FLOPs of ``pair_heads`` (causal pairs x query heads): 4 * d * pair_heads (2*d for Q K^T
+    and 2*d for P V per pair and head)."""
+    return 4.0 * head_dim * np.asarray(pair_heads, dtype=np.float64)

@@ -27,21 +27,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..config import KvFetch, TilingPolicy
-from .errors import PlanError
-from .layout import HeadLayout, TokenLayout
+from ...config import KvFetch, TilingPolicy
+from ..errors import PlanError
+from ..layout import HeadLayout, TokenLayout
+from ..model import causal_pairs
 
-__all__ = ["TileSet", "build_tiles", "causal_pairs", "ADAPTIVE_TILE_FRACTION", "ADAPTIVE_MAX_HALVINGS"]
+__all__ = ["TileSet", "build_tiles", "ADAPTIVE_TILE_FRACTION", "ADAPTIVE_MAX_HALVINGS"]
 
 ADAPTIVE_TILE_FRACTION = 0.5  # adaptive tiling: no tile above this fraction of C, where blocks allow
 ADAPTIVE_MAX_HALVINGS = 3  # default floor of adaptive blocks: B / 2**3 tokens
-
-
-def causal_pairs(a: np.ndarray, e: np.ndarray) -> np.ndarray:
-    """Eq. 6 inner sum: sum_{q=a}^{e-1} (q+1) causal query-key pairs for doc-local rows [a, e)."""
-    a = np.asarray(a, dtype=np.int64)
-    e = np.asarray(e, dtype=np.int64)
-    return e * (e + 1) // 2 - a * (a + 1) // 2
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,7 +1,7 @@
 """Seconds of one pool's attention layer forward per worker: the Pipeliner's event timeline (§4.4, issue 14).
 
-Pure numpy; one rule shared by the simulator (``sim.cost``, ``sim.pools``) and the time-aware tile placement
-(``plan.timeaware``). Per worker, with M chunks (chunk m holds head piece m of every hosted entry):
+Pure numpy; one rule shared by the simulator (``sim.pools``, ``sim.baselines``) and the time-aware tile placement
+(``plan.tiles.timeaware``). Per worker, with M chunks (chunk m holds head piece m of every hosted entry):
     L_m = local compute / M      entries whose Q and K/V rows all come from the worker itself (the all_to_all's
                                  self segment, ``ExchangePlan.hosted_pair_heads[0]``): they need no received data
     X_m = remote compute / M     every other entry
@@ -28,26 +28,24 @@ compute until the transfer ends). seconds = when the last wait returns; compute 
 communication = seconds - compute. With L = 0 (``local_first=False``) every entry waits for its chunk's
 dispatch (the runtime where no entry is local; and the price of this schedule without the local split).
 
-Default rates (the simulator's and ``StepTimeModel``'s; one place): H200-class bf16 attention, NVLink-class
-intra-node and 400 Gb/s-class inter-node links per GPU, 8 GPUs per node.
+Default rates: ``plan.model.rates`` (the one place). Compute runs at a constant rate, or -- for the simulator's
+pricing of kernel calls (``call_seconds``) -- at the rate of a measured per-shape table (``calibration``); the
+placements and the leads always price at the constant rate.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["StepTimeModel", "RelayTiming", "pipeline_seconds", "best_lead", "link_seconds", "DEFAULT_ATTN_TFLOPS",
-           "DEFAULT_INTRA_NODE_GBPS", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_GPUS_PER_NODE"]
+from .calibration import CalibrationTable
+from .rates import DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, GB, TFLOP
+from .workload import attention_flops
 
-GB = 1e9
-TFLOP = 1e12
-DEFAULT_ATTN_TFLOPS = 400.0  # effective attention TFLOP/s per GPU
-DEFAULT_INTRA_NODE_GBPS = 300.0  # GB/s per GPU to same-node peers
-DEFAULT_INTER_NODE_GBPS = 50.0  # GB/s per GPU to other nodes
-DEFAULT_GPUS_PER_NODE = 8
+__all__ = ["StepTimeModel", "RelayTiming", "pipeline_seconds", "best_lead", "link_seconds"]
 
 
 def link_seconds(intra_bytes, inter_bytes, intra_node_gbps: float, inter_node_gbps: float) -> np.ndarray:
@@ -151,6 +149,8 @@ class StepTimeModel:
     after its chunk's dispatch, for comparison).
     kv_relay: exchange plans relay K/V through one destination per node (``plan.exchange``, "Relay"): a
     home run fetched by several workers of another node crosses nodes once.
+    calibration: a measured per-shape kernel table; only ``call_seconds`` and ``peak_compute_seconds`` read it
+    (the simulator's pricing of kernel calls); None = the constant ``attn_tflops``.
     """
 
     head_dim: int
@@ -162,17 +162,27 @@ class StepTimeModel:
     worker_nodes: tuple = ()
     local_first: bool = True
     kv_relay: bool = False
+    calibration: Optional[CalibrationTable] = None
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"StepTimeModel.{name} must be a finite number > 0, got {value!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r} "
+                                 f"(StepTimeModel.{name})")
         for name in ("head_dim", "gpus_per_node"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"StepTimeModel.{name} must be >= 1, got {getattr(self, name)!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r} "
+                                 f"(StepTimeModel.{name})")
         if int(self.first_gpu) < 0:
             raise ValueError(f"StepTimeModel.first_gpu must be >= 0, got {self.first_gpu!r}")
+        if self.calibration is not None and self.calibration.head_dim != self.head_dim:
+            raise ValueError(f"--calibration was measured at head_dim {self.calibration.head_dim}, "
+                             f"but --head-dim is {self.head_dim}")
+
+    def at_gpu(self, first_gpu: int) -> "StepTimeModel":
+        """The same model for a pool whose worker 0 is global GPU ``first_gpu``."""
+        return dataclasses.replace(self, first_gpu=int(first_gpu))
 
     def nodes(self, num_workers: int) -> np.ndarray:
         """int64 [W]: node of every pool worker."""
@@ -184,7 +194,29 @@ class StepTimeModel:
         return (self.first_gpu + np.arange(num_workers, dtype=np.int64)) // self.gpus_per_node
 
     def compute_seconds(self, pair_heads) -> np.ndarray:
-        return 4.0 * self.head_dim * np.asarray(pair_heads, dtype=np.float64) / (self.attn_tflops * TFLOP)
+        """Seconds of ``pair_heads`` causal pairs x query heads at the constant ``attn_tflops``."""
+        return attention_flops(pair_heads, self.head_dim) / (self.attn_tflops * TFLOP)
+
+    def call_seconds(self, pair_heads, call_tokens, heads_per_call: int) -> np.ndarray:
+        """Seconds of kernel calls of ``pair_heads`` work, each ``call_tokens`` query tokens x ``heads_per_call``
+        heads: at the ``calibration`` table's rate for that shape, else the constant rate."""
+        if self.calibration is None:
+            return self.compute_seconds(pair_heads)
+        return attention_flops(pair_heads, self.head_dim) / self.calibration.flops_per_second(call_tokens,
+                                                                                             heads_per_call)
+
+    def peak_compute_seconds(self, pair_heads) -> np.ndarray:
+        """Seconds at the best throughput any call shape reaches (lower bounds)."""
+        if self.calibration is None:
+            return self.compute_seconds(pair_heads)
+        return attention_flops(pair_heads, self.head_dim) / self.calibration.peak_flops_per_second()
+
+    def balanced_seconds(self, pair_heads, num_workers: int) -> float:
+        """The lower bound a step is measured against: ``pair_heads`` of attention work at the peak rate
+        (``peak_compute_seconds``) spread perfectly over ``num_workers`` worker-steps, no communication."""
+        if int(num_workers) < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        return float(self.peak_compute_seconds(pair_heads)) / int(num_workers)
 
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
@@ -194,3 +226,26 @@ class StepTimeModel:
         """float64 [W]: compute + exposed comm per worker (``pipeline_seconds``; ``lead`` None = the best)."""
         return pipeline_seconds(local_compute, remote_compute, dispatch_seconds, return_seconds, self.local_first,
                                 lead, relay)[0]
+
+    def assumptions(self) -> Dict[str, object]:
+        """JSON-ready record of what the model assumes (the simulator's report)."""
+        out: Dict[str, object] = {
+            "attn_tflops": self.attn_tflops, "intra_node_gbps": self.intra_node_gbps,
+            "inter_node_gbps": self.inter_node_gbps, "gpus_per_node": self.gpus_per_node,
+            "head_dim": self.head_dim, "flops_per_pair_head": 4 * self.head_dim,
+            "local_first": self.local_first, "kv_relay": self.kv_relay,
+            "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
+                         "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
+                         "stream; "
+                         + ("the first k chunks' local entries while the dispatches travel, the rest while the "
+                            "returns travel (k = the plan's per-rank lead), " if self.local_first else
+                            "no local split, ")
+                         + "each chunk's remote entries after its dispatch; D_m = Q/M + KV/F on K/V-sending "
+                         "chunks, R_m = O/M, link seconds per phase"
+                         + ("; K/V relayed once per (home run, destination node): F_m on a second link, issued by "
+                            "each rank after D_m, moving a pair's rows once both issued it; receivers wait F_m "
+                            "before their remote entries" if self.kv_relay else "; no K/V relay"),
+        }
+        out["calibration"] = None if self.calibration is None else {
+            "device": self.calibration.device, "heads": list(self.calibration.heads)}
+        return out

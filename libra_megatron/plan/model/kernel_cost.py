@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .tiles import TileSet, causal_pairs
+from .workload import causal_pairs
 
 __all__ = ["TileCostModel", "FEATURES", "tile_features", "entry_features", "fit_tile_cost_model", "nnls"]
 
@@ -64,7 +64,7 @@ class TileCostModel:
         """features float [n, 4] (``FEATURES`` order) -> seconds [n]; adds ``per_call * num_calls``."""
         return np.asarray(features, dtype=np.float64) @ self.coefficients + self.per_call * np.asarray(num_calls)
 
-    def tile_costs(self, tiles: TileSet) -> np.ndarray:
+    def tile_costs(self, tiles) -> np.ndarray:
         """float64 [num_tiles]: predicted seconds of every SH-Tile (``place_tiles(tile_cost=...)`` input)."""
         return self.predict(tile_features(tiles))
 
@@ -83,7 +83,7 @@ class TileCostModel:
     @staticmethod
     def from_json(path) -> "TileCostModel":
         """Load ``{"model": {...}, ...}`` as written by ``benchmarks/calibrate_cpu.py``."""
-        from ..paths import read_json
+        from ...paths import read_json
 
         data = read_json(path, str(path))
         if not isinstance(data, dict) or "model" not in data:
@@ -91,7 +91,7 @@ class TileCostModel:
         return TileCostModel.from_dict(data["model"])
 
 
-def tile_features(tiles: TileSet) -> np.ndarray:
+def tile_features(tiles) -> np.ndarray:
     """float64 [num_tiles, 4]: (pairs, rows, entries, key_rows) of every tile, as in the module docstring."""
     heads = float(tiles.heads.q_heads_per_shard)
     nfrag = np.diff(tiles.frag_ptr)

@@ -2,16 +2,16 @@
 
 Pure Python + numpy. Inputs come from ``TileSet`` (``build_tiles``): tile loads ``f_t`` are Eq. 6
 (``tiles.tile_flops()``, int64 pair-heads) unless ``place_tiles(tile_cost=...)`` passes another work
-vector (e.g. calibrated seconds from ``plan.cost.TileCostModel.tile_costs``, review objection 2); byte
+vector (e.g. calibrated seconds from ``plan.model.kernel_cost.TileCostModel.tile_costs``, review objection 2); byte
 volumes are per layer forward, in bytes.
 
 Eq. 8 prices the KV a tile makes its destination fetch the way the exchange plan fetches it
 (``tiles.kv_fetch``): the whole group (the paper) or only the causal prefix a tile needs, minus rows the
-destination holds or has already selected (``plan.alg2`` has the formula and the fast exact Algorithm 2).
+destination holds or has already selected (``plan.tiles.alg2`` has the formula and the fast exact Algorithm 2).
 
 ``comm_bytes`` is recomputed from the final assignment by ``assignment_comm_bytes``: Q and O once per
 migrated tile, KV once per (group, destination) up to the largest prefix the destination needs
-(``plan.kv_refs.fetched_groups``) -- which is what an exchange plan built from the assignment moves, and
+(``plan.exchange.kv_refs.fetched_groups``) -- which is what an exchange plan built from the assignment moves, and
 equals the sum of Eq. 8 along Algorithm 2.
 """
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..config import TilePlacement
+from ...config import TilePlacement
 from .alg2 import capacity, place_alg2, tile_loads
-from .exchange import build_exchange_plan
-from .kv_refs import fetched_groups
+from ..exchange import build_exchange_plan, fetched_groups, plan_worker_seconds
+from ..model import StepTimeModel
 from .node_export import export_dense_first
 from .tiles import TileSet
-from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, plan_worker_seconds, refine_for_time, time_moves
-from .timing import StepTimeModel
+from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, refine_for_time, time_moves
 
 __all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads"]
 
@@ -160,8 +159,8 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 
 
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
-    """ALG2, then ``plan.node_export.export_dense_first`` over the nodes of ``timing``, then
-    ``DENSE_TIME_ROUNDS`` rounds of time-aware moves (``plan.timeaware.time_moves``, ``DENSE_WIDTH``); each
+    """ALG2, then ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, then
+    ``DENSE_TIME_ROUNDS`` rounds of time-aware moves (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``); each
     step is kept only when the pool's slowest worker is faster under ``timing`` (exchange plans priced, ties
     keep the earlier one). Returns the placer tuple plus the winner's plan."""
     timing = timing or StepTimeModel(tiles.heads.head_dim)
@@ -210,11 +209,11 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     argmin (dcomm, L_r, r); fallback argmin (L_r, dcomm, r)). REFINED: ALG2, then moves/swaps off the
     heaviest worker; never a higher max load than ALG2 (comm is recomputed for the final assignment).
     tile_cost: optional float64 [num_tiles] (>= 0, any unit, e.g. seconds from
-    ``plan.cost.TileCostModel.tile_costs``) used as f_t instead of Eq. 6 ``tiles.tile_flops()``; C, the
+    ``plan.model.kernel_cost.TileCostModel.tile_costs``) used as f_t instead of Eq. 6 ``tiles.tile_flops()``; C, the
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
-    TIME: ALG2, then ``plan.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
+    TIME: ALG2, then ``plan.tiles.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
-    DENSE: ALG2, then dense-first node export (``plan.node_export``) over ``timing``'s nodes, then
+    DENSE: ALG2, then dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes, then
     ``DENSE_TIME_ROUNDS`` rounds of TIME's moves; each kept only when the slowest worker is faster under
     ``timing``; never slower than ALG2 under that model.
     """

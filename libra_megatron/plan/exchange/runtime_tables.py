@@ -35,8 +35,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .errors import PlanError
-from .exchange import IndexRuns, RankPlan, Route
+from ..errors import PlanError
+from .records import IndexRuns, RankPlan, Route
 from .local_entries import REMOTE, SPLIT, rank_entry_kinds
 
 __all__ = ["RankTables", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables"]
@@ -127,7 +127,7 @@ class RouteSplits:
 
 @dataclass(frozen=True, eq=False)
 class EntrySet:
-    """Some of a rank's varlen entries as one kernel call of their own (``plan.local_entries``).
+    """Some of a rank's varlen entries as one kernel call of their own (``plan.exchange.local_entries``).
 
     q_rows    arranged-Q rows of the set's entries in entry order (the call's queries are gathered from
               them and its outputs / lse scattered back to them)
@@ -176,7 +176,7 @@ class RankTables:
     kv_back_splits: RouteSplits
     q_target_len: int  # arranged Q rows (nq)
     kv_target_len: int  # arranged KV rows (nkv)
-    # local-first split (``plan.local_entries``): None when no entry is local or split, else the sets
+    # local-first split (``plan.exchange.local_entries``): None when no entry is local or split, else the sets
     local: Optional[EntrySet] = None  # causal: local entries, and the self-sourced key tails of split entries
     remote: Optional[EntrySet] = None  # causal: remote entries
     heads: Optional[EntrySet] = None  # no mask: split entries' keys before their tail (None: no split entry)
@@ -297,7 +297,7 @@ def _relay_tables(plan: RankPlan) -> dict:
 
 
 def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):
-    """(local, remote, heads) ``EntrySet``s of ``plan`` (``plan.local_entries``), or Nones when no entry is local
+    """(local, remote, heads) ``EntrySet``s of ``plan`` (``plan.exchange.local_entries``), or Nones when no entry is local
     or split; heads is None when no entry is split."""
     kinds, tail = rank_entry_kinds(plan)
     if not (kinds != REMOTE).any():

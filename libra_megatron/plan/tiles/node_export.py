@@ -22,7 +22,7 @@ and nets the flow:
 So a node that Algorithm 2 does not overload sends nothing, the load that crosses nodes is at most the net
 imbalance, and a node's own small tiles pack around the big imported ones (placing imports last left
 fragmented room, 10-30% imbalance on wikipedia pools). ``place_tiles`` keeps the result
-only when the step-time model prices its slowest worker below Algorithm 2's (``plan.placement``): never
+only when the step-time model prices its slowest worker below Algorithm 2's (``plan.tiles.placement``): never
 slower under the model. Cost: O(tiles log tiles) numpy plus a Python loop over tiles.
 """
 from __future__ import annotations

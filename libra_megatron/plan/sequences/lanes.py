@@ -1,14 +1,14 @@
-"""Sync-aware VRSP (``SequencePlacement.SYNC``): balance what the step waits for (``plan.sync``).
+"""Sync-aware VRSP (``SequencePlacement.SYNC``): balance what the step waits for (``plan.sequences.sync``).
 
 Pure Python + numpy. A *lane* is the P DP replicas that form a pool at every GA step (lane j = replicas
-j*P .. j*P+P-1, ``plan.sync``). Pools meet every attention layer, lanes only at the step's gradient
+j*P .. j*P+P-1, ``plan.sequences.sync``). Pools meet every attention layer, lanes only at the step's gradient
 reduction, so at PP=1 the step waits for the heaviest lane *total* over its GA microbatches, not for the
 heaviest pool instance of every GA step (what ``refined``/``alg1`` balance). With PP, each lane is a
 pipeline and uneven microbatches inside it also cost (bubbles).
 
 ``place_for_sync(flops, layout)`` at PP=1:
   1. lanes: the GBS sequences are split into DP/P lanes of exactly GA*P sequences by Algorithm 1 (LPT with
-     exact cardinality, ``place_sequences(flops, GA*P, ALG1)``), then swaps between the heaviest and the
+     exact cardinality, ``vrsp.place_alg1(flops, GA*P)``), then swaps between the heaviest and the
      lightest lane, each the pair whose difference is nearest half the gap (sorted search, O(n log n) per
      swap), while they lower the heaviest lane; this balances lane totals;
   2. pools: at PP=1 only lane totals count, so a lane's GA*P sequences are cut into its GA pool instances
@@ -19,7 +19,7 @@ pipeline and uneven microbatches inside it also cost (bubbles).
      at GA step g on lane j (``plan.sequences.assign_to_ranks``);
   4. guard: the order is scored under the same model with pool time = pool FLOPs
      (ideal TAP) against Algorithm 1's per-instance order, which wins if it is strictly better
-     (``plan.sync.pool_step_timing``).
+     (``plan.sequences.sync.pool_step_timing``).
 With PP > 1 the pool instances themselves are Algorithm 1's (already flat microbatches; a pool's simulated
 time is not proportional to its F when a long document floors it, so re-cutting pools by F alone can lose):
 they are dealt to lanes by exact-cardinality LPT over pool loads plus the same swaps, and each lane's
@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import SequencePlacement
-from .sequences import place_sequences, pool_loads
+from .vrsp import place_alg1, place_refined, pool_loads
 from .sync import SyncLayout, pool_step_timing, run_lane_pipelines
 
 __all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds"]
@@ -63,12 +62,12 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
                          f"{layout.data_parallel_size} = {gbs}")
     if layout.ep_ties_lanes or layout.num_lanes == 1 or layout.num_microbatches == 1:
         # nothing to gain from lanes: tied, a single lane, or lanes == instances
-        return place_sequences(flops, layout.pool_size, SequencePlacement.REFINED)
+        return place_refined(flops, layout.pool_size)
     if layout.pipeline_parallel_size > 1:
         by_lanes = _instances_to_lanes(flops, layout)
     else:
         by_lanes = _lanes_then_microbatches(flops, layout)
-    alg1 = place_sequences(flops, layout.pool_size, SequencePlacement.ALG1)
+    alg1 = place_alg1(flops, layout.pool_size)
     if sync_proxy_seconds(flops, alg1, layout) < sync_proxy_seconds(flops, by_lanes, layout):
         return alg1
     return by_lanes
@@ -103,7 +102,7 @@ def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
     """PP > 1: Algorithm 1's pool instances, dealt to lanes (exact-cardinality LPT over pool loads, then swaps)
     and ordered inside each lane (``_order_microbatches``)."""
     ga, pool = layout.num_microbatches, layout.pool_size
-    pools = place_sequences(flops, pool, SequencePlacement.ALG1).reshape(-1, pool)  # [K, P]
+    pools = place_alg1(flops, pool).reshape(-1, pool)  # [K, P]
     loads = flops[pools].sum(axis=1)
     by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
     grid = pools[by_lane.T]  # [GA, lanes, P]
@@ -113,7 +112,7 @@ def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
 def _balanced_groups(flops: np.ndarray, group_size: int, swaps_per_group: int) -> np.ndarray:
     """Algorithm 1 into groups of ``group_size``, then at most ``swaps_per_group`` * groups heaviest/lightest
     swaps: int64 [groups, group_size]."""
-    start = place_sequences(flops, group_size, SequencePlacement.ALG1).reshape(-1, group_size)
+    start = place_alg1(flops, group_size).reshape(-1, group_size)
     return _swap_heaviest_with_lightest(flops, start, swaps_per_group * start.shape[0]) if swaps_per_group else start
 
 

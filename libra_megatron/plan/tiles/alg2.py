@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .kv_refs import home_runs_in_prefix
+from ..exchange import home_runs_in_prefix
 from .tiles import TileSet
 
 __all__ = ["place_alg2", "tile_loads", "capacity"]

@@ -21,7 +21,7 @@ What is checked, independently of how ``build_exchange_plan`` computed the plan:
              r's prefix of g it does not hold (``tiles.group_remote_bytes``) + sum over migrated tiles of
              V_Q + V_O; per-rank
              ``bytes_sent`` equals the remote units its routes move (K/V: both hops); ``peer_units`` and
-             ``relay_units`` (what ``plan.traffic`` prices per link and Pipeliner phase) equal every rank's
+             ``relay_units`` (what ``plan.exchange.traffic`` prices per link and Pipeliner phase) equal every rank's
              per-peer route splits
 Cost: O(total units of all ranks) -- meant for tests and debug runs, not for every step at scale.
 """
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import KvFetch
-from .errors import PlanError
-from .exchange import ExchangePlan, Route
+from ...config import KvFetch
+from ..errors import PlanError
+from .records import ExchangePlan, Route
 
 __all__ = ["validate_plan"]
 

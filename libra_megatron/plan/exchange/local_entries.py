@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["foreign_rows_in", "rank_local_entries", "entry_pair_heads", "self_tail_start", "entry_kinds",
+__all__ = ["foreign_rows_in", "rank_local_entries", "self_tail_start", "entry_kinds",
            "rank_entry_kinds", "pool_entry_kinds", "REMOTE", "LOCAL", "SPLIT"]
 
 
@@ -132,10 +132,3 @@ def pool_entry_kinds(q_runs, kv_runs, q_len, kv_len, entry_dst, q_lo, q_hi, k_lo
     lo, hi = k_base[entry_dst] + k_lo, k_base[entry_dst] + k_hi
     tail = self_tail_start(k_start, k_count, k_foreign_run, lo, hi)
     return entry_kinds(q_foreign, lo, tail, hi, np.asarray(q_hi) - np.asarray(q_lo)), tail - lo
-
-
-def entry_pair_heads(q_len, k_len, q_heads_per_shard: int) -> np.ndarray:
-    """Eq. 6 load of varlen entries: bottom-right causal pairs of q_len queries over k_len keys x heads."""
-    n = np.asarray(q_len, dtype=np.int64)
-    e = np.asarray(k_len, dtype=np.int64)
-    return (n * (e - n) + n * (n + 1) // 2) * int(q_heads_per_shard)

@@ -20,7 +20,7 @@ from typing import Dict
 
 import numpy as np
 
-from ..config import SaveModeName
+from ...config import SaveModeName
 
 __all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "choose_save_mode"]
 
