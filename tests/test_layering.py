@@ -266,3 +266,40 @@ def test_default_rates_are_stated_once():
                           if isinstance(t, ast.Name) and t.id in names]
     assert sorted(homes) == sorted(("plan/model/rates.py", n) for n in names)
     assert "libra_megatron.plan.model.DEFAULT_ATTN_TFLOPS" in _imports(PACKAGE / "sim" / "__main__.py")
+
+
+RATE_FIELDS = {"attn_tflops", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "collective_us",
+               "intra_message_us", "inter_message_us", "kernel_launch_us", "kernel_entry_us", "copy_gbps",
+               "copy_launch_us"}
+
+
+def _literal_rate_defaults(tree) -> list:
+    """Rate defaults written as number literals: ``field: float = 50.0`` in a class body, ``def f(...,
+    inter_node_gbps=50.0)`` and ``add_argument("--inter-node-gbps", default=50.0)``."""
+    def number(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in RATE_FIELDS \
+                and node.value is not None and number(node.value) \
+                and not (node.target.id == "gpus_per_node" and node.value.value == 0):  # 0: "one node", a switch
+            out.append(node.target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.args + node.args.kwonlyargs
+            defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
+            out += [a.arg for a, d in zip(args, defaults) if a.arg in RATE_FIELDS and d is not None and number(d)]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
+                and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).lstrip("-").replace("-", "_") in RATE_FIELDS:
+            out += [node.args[0].value for k in node.keywords if k.arg == "default" and number(k.value)]
+    return out
+
+
+def test_no_rate_default_is_written_as_a_number_outside_rates():
+    """Every default of a time-model rate (``StepTimeModel``'s fields, the simulator's and harness' flags) reads
+    ``plan/model/rates.py``: a literal ``inter_node_gbps: float = 50.0`` elsewhere is a second home."""
+    found = {str(f.relative_to(PACKAGE)): _literal_rate_defaults(ast.parse(f.read_text(encoding="utf-8")))
+             for f in _files() if f.name != "rates.py"}
+    assert {k: v for k, v in found.items() if v} == {}
+    probe = ast.parse("class C:\n    copy_gbps: float = 3.0\ndef f(attn_tflops=1.0): pass\n"
+                      "p.add_argument('--inter-node-gbps', default=50.0)\n")
+    assert sorted(map(str, _literal_rate_defaults(probe))) == ["--inter-node-gbps", "attn_tflops", "copy_gbps"]

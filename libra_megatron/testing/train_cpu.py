@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..plan.model import DEFAULT_INTER_NODE_GBPS
 from ..plan.traces import find_trace
 from .train_data import PreparedData, open_dataset, prepare_data
 from .train_report import PARITY_RTOL, compare_runs, parity_ok, print_run, print_summary, summarize
@@ -84,7 +85,7 @@ class RunConfig:
     max_docs: Optional[int] = 6000  # trace: first N documents
     kv_relay: str = "off"  # Libra runs: the K/V relay between nodes (off | auto)
     gpus_per_node: int = 0  # > 0: the planner prices the pool as ranks // gpus_per_node nodes (0: one node)
-    inter_node_gbps: float = 50.0  # the planner's inter-node rate when gpus_per_node > 0
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS  # the planner's inter-node rate when gpus_per_node > 0
 
     @property
     def world_size(self) -> int:

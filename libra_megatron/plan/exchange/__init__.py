@@ -7,6 +7,7 @@
     kv_refs         which K/V rows a destination fetches (deduplicated per (sample, head shard) group)
     local_entries   which varlen entries need no received data (the Pipeliner's local-first split)
     traffic         per-worker, per-chunk bytes of a plan, and their seconds under ``plan.model``
+    schedule        every rank's op list of a layer, forward and backward, as the runtime issues it
     runtime_tables  ``rank_tables``: a rank's plan as index runs for the runtime (cached)
     validate        ``validate_plan``: every structural invariant, checked before any collective
 
@@ -17,11 +18,14 @@ from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, ho
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
 from .relay import RELAY_SENDER_CUTS
 from .runtime_tables import RankTables, RouteSplits, RowRuns, build_rank_tables, rank_tables
-from .traffic import PlanTraffic, chunk_phase_bytes, plan_traffic, plan_worker_seconds, traffic_of_units
+from .schedule import SAVE_MODES, LayerOps, layer_ops, rank_layer_ops
+from .traffic import (LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
+                      traffic_of_units)
 from .validate import validate_plan
 
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
            "RELAY_SENDER_CUTS", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_tables",
+           "SAVE_MODES", "LayerOps", "layer_ops", "rank_layer_ops", "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",
            "validate_plan"]

@@ -23,9 +23,11 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ..layout import HeadLayout
-from ..model import RelayTiming
+from ..model import PhaseTiming, RelayTiming, price_ops
+from .schedule import layer_ops
 
-__all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes", "plan_worker_seconds"]
+__all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes", "plan_worker_seconds", "LayerTiming",
+           "plan_layer_timing"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,3 +147,27 @@ def plan_worker_seconds(plan, model) -> np.ndarray:
     dispatch, ret = traffic.phase_seconds(nodes, model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)
     return model.worker_seconds(local, remote, dispatch, ret, plan.local_lead, traffic.relay_timing(nodes, model))
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTiming:
+    """One pool plan's attention layer under the whole-layer event model (``plan.model.events``): the forward
+    and the backward ``PhaseTiming`` (seconds, compute, exposed per worker), in one save mode."""
+
+    forward: PhaseTiming
+    backward: PhaseTiming
+    save_mode: str
+
+    @property
+    def seconds(self) -> np.ndarray:
+        """float64 [W]: forward + backward seconds per worker."""
+        return self.forward.seconds + self.backward.seconds
+
+
+def plan_layer_timing(plan, model, save_mode: str = "arranged", relay_comm: str = "relay") -> LayerTiming:
+    """The layer of an ExchangePlan as the runtime runs it: every rank's forward and backward op lists
+    (``plan.exchange.schedule``, call for call ``runtime.libra_attn``) priced with the peers coupled
+    (``plan.model.events.price_ops``) on ``model``'s nodes and rates. ``save_mode`` "arranged" | "refetch"."""
+    ops = layer_ops(plan, save_mode, relay_comm)
+    nodes = model.nodes(plan.num_workers)
+    return LayerTiming(price_ops(ops.forward, model, nodes), price_ops(ops.backward, model, nodes), save_mode)

@@ -3,6 +3,8 @@
     rates         the default rates, stated once
     workload      FLOPs proxies (Eq. 2, 4, 6), imbalance, the lower bounds
     timing        ``StepTimeModel``: per-worker seconds of one pool's attention layer on the Pipeliner timeline
+    ops           the op records one rank issues for a layer (exchanges, waits, kernels, copies)
+    events        the whole-layer event model: every rank's op list priced with the peers coupled
     calibration   a measured per-shape kernel table the model can read
     kernel_cost   a calibrated per-tile kernel cost (review objection 2)
     memory        the operator's saved activation bytes and the save-mode rule
@@ -12,7 +14,10 @@ Pure numpy; imports nothing else of ``plan`` (every other room may import this o
 from .calibration import CalibrationTable
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from .memory import choose_save_mode, hosted_units, predicted_saved_bytes, saved_bytes_per_rank
-from .rates import DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, GB, TFLOP
+from .events import PhaseTiming, price_ops
+from .ops import POOL, RELAY, Copy, Exchange, Kernel, Wait, op_keys
+from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS,
+                    DEFAULT_INTRA_NODE_GBPS, GB, TFLOP)
 from .timing import RelayTiming, StepTimeModel, best_lead, link_seconds, pipeline_seconds
 from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expected_imbalance,
                        entry_pair_heads, imbalance, pool_lower_bound, pool_lower_bound_counting, sequence_flops,
@@ -21,6 +26,7 @@ from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expe
 __all__ = [
     "CalibrationTable", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
     "choose_save_mode", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank",
+    "PhaseTiming", "price_ops", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_ATTN_TFLOPS", "DEFAULT_GPUS_PER_NODE", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_INTRA_NODE_GBPS", "GB", "TFLOP",
     "RelayTiming", "StepTimeModel", "best_lead", "link_seconds", "pipeline_seconds",
     "attention_flops", "causal_pairs", "check_pool_split", "clt_expected_imbalance",

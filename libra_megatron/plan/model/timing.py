@@ -42,7 +42,10 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from .calibration import CalibrationTable
-from .rates import DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, GB, TFLOP
+from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
+                    DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
+                    DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US, GB,
+                    TFLOP)
 from .workload import attention_flops
 
 __all__ = ["StepTimeModel", "RelayTiming", "pipeline_seconds", "best_lead", "link_seconds"]
@@ -151,6 +154,9 @@ class StepTimeModel:
     home run fetched by several workers of another node crosses nodes once.
     calibration: a measured per-shape kernel table; only ``call_seconds`` and ``peak_compute_seconds`` read it
     (the simulator's pricing of kernel calls); None = the constant ``attn_tflops``.
+    collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_gbps, copy_launch_us: the
+    whole-layer event model's latencies and copy rate (``plan.model.events``; defaults and their sources in
+    ``plan.model.rates``). The Pipeliner timeline (``pipeline_seconds``, the placements' search) reads none of them.
     """
 
     head_dim: int
@@ -163,12 +169,25 @@ class StepTimeModel:
     local_first: bool = True
     kv_relay: bool = False
     calibration: Optional[CalibrationTable] = None
+    collective_us: float = DEFAULT_COLLECTIVE_US
+    intra_message_us: float = DEFAULT_INTRA_MESSAGE_US
+    inter_message_us: float = DEFAULT_INTER_MESSAGE_US
+    kernel_launch_us: float = DEFAULT_KERNEL_LAUNCH_US
+    kernel_entry_us: float = DEFAULT_KERNEL_ENTRY_US  # per varlen entry of a call (0 for flash-attn; a CPU fit's per-entry loop cost)
+    copy_gbps: float = DEFAULT_COPY_GBPS
+    copy_launch_us: float = DEFAULT_COPY_LAUNCH_US
 
     def __post_init__(self) -> None:
-        for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps"):
+        for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps", "copy_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r} "
+                                 f"(StepTimeModel.{name})")
+        for name in ("collective_us", "intra_message_us", "inter_message_us", "kernel_launch_us", "kernel_entry_us",
+                     "copy_launch_us"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value!r} "
                                  f"(StepTimeModel.{name})")
         for name in ("head_dim", "gpus_per_node"):
             if int(getattr(self, name)) < 1:
@@ -218,6 +237,11 @@ class StepTimeModel:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         return float(self.peak_compute_seconds(pair_heads)) / int(num_workers)
 
+    def balanced_layer_seconds(self, pair_heads, num_workers: int) -> float:
+        """``balanced_seconds`` of the whole layer: forward plus backward, the backward at
+        ``BACKWARD_FLOPS_FACTOR`` x the forward FLOPs (FlashAttention's recomputation included, ``plan.model.rates``)."""
+        return self.balanced_seconds(pair_heads, num_workers) * (1.0 + BACKWARD_FLOPS_FACTOR)
+
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
         return link_seconds(intra_bytes, inter_bytes, self.intra_node_gbps, self.inter_node_gbps)
 
@@ -234,6 +258,11 @@ class StepTimeModel:
             "inter_node_gbps": self.inter_node_gbps, "gpus_per_node": self.gpus_per_node,
             "head_dim": self.head_dim, "flops_per_pair_head": 4 * self.head_dim,
             "local_first": self.local_first, "kv_relay": self.kv_relay,
+            "collective_us": self.collective_us, "intra_message_us": self.intra_message_us,
+            "inter_message_us": self.inter_message_us, "kernel_launch_us": self.kernel_launch_us,
+            "kernel_entry_us": self.kernel_entry_us,
+            "copy_gbps": self.copy_gbps, "copy_launch_us": self.copy_launch_us,
+            "backward_flops_factor": BACKWARD_FLOPS_FACTOR,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
                          "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
                          "stream; "

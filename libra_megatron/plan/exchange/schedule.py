@@ -1,0 +1,367 @@
+"""The op lists of one pool's attention layer, forward and backward, per rank: ``runtime.libra_attn`` call for call.
+
+Pure numpy. ``rank_layer_ops(rank_plan, save_mode)`` walks the same steps as ``runtime.libra_attn._fwd`` and
+``_bwd`` over the rank's run tables (``rank_tables``) and lists, in issue order, every ``all_to_all_single``
+(bytes to and from each peer), every wait, every kernel call (entries, rows, causal pairs x heads) and every
+index copy (``plan.model.ops``). ``plan.model.events`` prices the lists of all ranks together;
+``tests/runtime/test_op_list.py`` records the runtime's real calls on gloo and asserts they are these lists.
+A change to the runtime's schedule that is not made here too fails that test.
+
+Byte sizes (one row of a chunk view / arranged buffer): Q, O, dO, dQ rows ``qp*d*e``; K|V rows ``2*kp*d*e``
+(K and V each ``kp*d*e`` where they are gathered apart); lse ``4`` bytes per (head, row) (``8`` for fp64);
+dK|dV sums in the accumulation dtype (``a`` = 4, 8 for fp64), e = ``HeadLayout.elem_bytes``. dK|dV go home at
+``e`` when every chunk returns its own kv piece (``kv_return_chunks().all()``), else at ``a``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..model import POOL, RELAY, Copy, Exchange, Kernel, Wait
+from .runtime_tables import RankTables, RouteSplits, rank_tables
+
+__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES"]
+
+SAVE_MODES = ("arranged", "refetch")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """Per rank (index = pool worker), the op tuples of the layer's forward and of its backward."""
+
+    forward: Tuple[tuple, ...]
+    backward: Tuple[tuple, ...]
+
+
+def entry_pairs(q_lens, k_lens, causal: bool = True) -> int:
+    """Query-key pairs of varlen entries (bottom-right causal: query r of a q-row entry over e keys sees
+    e - q + r + 1 of them)."""
+    q = np.asarray(q_lens, dtype=np.int64)
+    k = np.asarray(k_lens, dtype=np.int64)
+    if not causal:
+        return int((q * k).sum())
+    return int((q * k - q * (q - 1) // 2).sum())
+
+
+class _Sizes:
+    """Row bytes of every buffer kind of one plan."""
+
+    def __init__(self, heads):
+        e = heads.elem_bytes
+        self.acc = 8 if e == 8 else 4
+        self.lse = 8 if e == 8 else 4
+        self.e, self.qp, self.kp, self.d = e, heads.q_piece, heads.kv_piece, heads.head_dim
+        self.q = self.qp * self.d * e  # Q / O / dO / dQ row
+        self.k = self.kp * self.d * e  # K or V row
+        self.kv = 2 * self.k  # K|V row
+        self.dkv_acc = 2 * self.kp * self.d * self.acc  # dK|dV row in the accumulation dtype
+
+
+class _Rank:
+    """Builds one rank's op list (the runtime's ``_Ctx`` + ``PendingExchange`` bookkeeping, host side)."""
+
+    def __init__(self, tables: RankTables, heads, rank: int, num_workers: int, relay_comm: str):
+        self.t, self.heads, self.rank, self.W = tables, heads, rank, num_workers
+        self.sz = _Sizes(heads)
+        self.relay_comm = relay_comm
+        self.ops: List[tuple] = []
+        self.seq = {POOL: 0, RELAY: 0}
+        self._calls = {}  # (id of the entry lengths, causal) -> the call's (entries, q rows, k rows, pairs x heads)
+
+    # ------------------------------------------------------------------ primitives
+    def copy(self, op: str, rows: int, row_bytes: int, tag: str, m: int) -> None:
+        self.ops.append(Copy(op, int(rows) * int(row_bytes), tag, m))
+
+    def exchange(self, splits: RouteSplits, row_bytes: int, comm: str, tag: str, m: int) -> Optional[tuple]:
+        """``start_exchange``: a pending (comm, seq, splits, tag, m), or None on a one-rank group (no collective)."""
+        if len(splits.send) == 1:
+            return None
+        seq = self.seq[comm]
+        self.seq[comm] += 1
+        self.ops.append(Exchange(comm, seq, tuple((np.asarray(splits.send, dtype=np.int64) * row_bytes).tolist()),
+                                 tuple((np.asarray(splits.recv, dtype=np.int64) * row_bytes).tolist()), tag, m))
+        return (comm, seq, tag, m)
+
+    def wait(self, pending) -> None:
+        if pending is not None:
+            comm, seq, tag, m = pending
+            self.ops.append(Wait(comm, seq, tag, m))
+
+    def kernel(self, direction: str, q_lens, k_lens, tag: str, m: int, causal: bool = True) -> None:
+        """One kernel call over entries of these lengths (an entry set's lengths are the same every chunk: the
+        call's sizes are counted once per set)."""
+        key = (id(q_lens), id(k_lens), causal)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = (len(q_lens), int(sum(q_lens)), int(sum(k_lens)),
+                                       entry_pairs(q_lens, k_lens, causal) * self.sz.qp)
+        self.ops.append(Kernel(direction, *call, self.sz.qp, causal, tag, m))
+
+    # ------------------------------------------------------------------ routes of chunk m
+    def dispatch_q(self, m: int, tag: str):
+        sp = self.t.q_splits
+        self.copy("gather", sum(sp.send), self.sz.q, tag, m)
+        return (self.exchange(sp, self.sz.q, POOL, tag, m), sp)
+
+    def dispatch_kv(self, m: int, tag: str):
+        sp = self.t.kv_splits
+        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # K rows
+        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows
+        return (self.exchange(sp, self.sz.kv, POOL, tag, m), sp)
+
+    def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int):
+        """``_return``: gather the arranged rows (at their dtype), send them at the wire dtype."""
+        self.copy("gather", sum(splits.send), row_bytes, tag, m)
+        return (self.exchange(splits, wire_bytes, POOL, tag, m), splits)
+
+    def placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
+        """``PendingExchange.placed``: wait, place every received row."""
+        self.wait(pending[0])
+        self.copy("place", sum(pending[1].recv), row_bytes, tag, m)
+
+    def self_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
+        self.copy("place", pending[1].self_rows, row_bytes, tag, m)
+
+    def rest_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
+        """Wait, place the rows before and after the self segment (each part only when it has rows)."""
+        self.wait(pending[0])
+        sp = pending[1]
+        lo, hi, total = sp.self_recv_offset, sp.self_recv_offset + sp.self_rows, sum(sp.recv)
+        for rows in (lo, total - hi):
+            if rows:
+                self.copy("place", rows, row_bytes, tag, m)
+
+    def into(self, pending, row_bytes: int, accumulate: bool, tag: str, m: int) -> None:
+        """``PendingExchange.into``: wait, then add or copy the received rows (at the target's dtype)."""
+        self.wait(pending[0])
+        self.copy("add" if accumulate else "place", sum(pending[1].recv), row_bytes, tag, m)
+
+    def relay(self, m: int, tag: str):
+        """``_relay``: gather the relayed rows of the arranged K|V and send them on the relay communicator."""
+        sp = self.t.relay_splits
+        if sp is None:
+            return None
+        self.copy("gather", sum(sp.send), self.sz.kv, tag, m)
+        return (self.exchange(sp, self.sz.kv, self.relay_comm, tag, m), sp)
+
+    # ------------------------------------------------------------------ kernels
+    def packed_kv(self, k_rows: int, tag: str, m: int) -> None:
+        self.copy("gather", k_rows, self.sz.kv, tag, m)
+
+    def fwd_whole(self, m: int) -> None:
+        """``_fwd_chunk``: packed K|V of every entry, one kernel call."""
+        self.packed_kv(sum(self.t.k_lens), "kv", m)
+        self.kernel("fwd", self.t.q_lens, self.t.k_lens, "all", m)
+
+    def part_kernel(self, part, m: int, tag: str, causal: bool = True) -> None:
+        """``_part_kernel``: gather the part's keys and queries, one kernel call."""
+        self.packed_kv(sum(part.k_lens), tag, m)
+        self.copy("gather", sum(part.q_lens), self.sz.q, tag, m)
+        self.kernel("fwd", part.q_lens, part.k_lens, tag, m, causal)
+
+    def fwd_part(self, part, m: int, tag: str) -> None:
+        """``_fwd_part``: the part's kernel, then its out and lse rows scattered into the chunk's buffers."""
+        self.part_kernel(part, m, tag)
+        n = sum(part.q_lens)
+        self.copy("place", n, self.sz.q, tag, m)
+        self.copy("place", n, self.sz.qp * self.sz.lse, tag, m)
+
+    def merge_heads(self, m: int) -> None:
+        """``_merge_heads``: read the tails' lse and out rows, write the merged rows back."""
+        n = sum(self.t.heads.q_lens)
+        self.copy("gather", n, self.sz.qp * self.sz.lse, "merge", m)
+        self.copy("gather", n, self.sz.q, "merge", m)
+        self.copy("place", n, self.sz.q, "merge", m)
+        self.copy("place", n, self.sz.qp * self.sz.lse, "merge", m)
+
+
+class _FwdChunk:
+    """``runtime.libra_attn._Chunk``, host side: which of its steps have run."""
+
+    def __init__(self, rk: _Rank, m: int, q_pend, kv_pend, split: bool):
+        t = rk.t
+        self.rk, self.m, self.q_pend, self.kv_pend, self.split = rk, m, q_pend, kv_pend, split
+        self.whole = split and len(t.remote.q_lens) == 0 and t.heads is None
+        self.head = False
+        self.tails_done = False
+        self.has_out = False
+        if split:
+            rk.self_placed(q_pend, rk.sz.q, "q", m)
+            if kv_pend is not None:
+                rk.self_placed(kv_pend, rk.sz.kv, "kv", m)
+
+    def local(self) -> None:
+        if not self.split:
+            return
+        if self.whole:
+            self.rk.fwd_whole(self.m)
+        else:
+            self.rk.fwd_part(self.rk.t.local, self.m, "local")
+        self.has_out = True
+        self.tails_done = True
+        self._merge()
+
+    def _merge(self) -> None:
+        if self.head and self.tails_done:
+            self.rk.merge_heads(self.m)
+            self.head = False
+
+    def arrive(self, sends_only: list) -> None:
+        rk, m = self.rk, self.m
+        if self.split:
+            rk.rest_placed(self.q_pend, rk.sz.q, "q", m)
+            if self.kv_pend is not None:
+                rk.rest_placed(self.kv_pend, rk.sz.kv, "kv", m)
+        else:
+            rk.placed(self.q_pend, rk.sz.q, "q", m)
+            if self.kv_pend is not None:
+                rk.placed(self.kv_pend, rk.sz.kv, "kv", m)
+        relayed = rk.relay(m, "relay") if self.kv_pend is not None else None
+        if relayed is not None:
+            if sum(rk.t.relay_splits.recv) > 0:
+                rk.into(relayed, rk.sz.kv, False, "relay", m)
+            else:
+                sends_only.append(relayed)
+
+    def remote(self) -> None:
+        rk, t, m = self.rk, self.rk.t, self.m
+        if not self.split:
+            rk.fwd_whole(m)
+            self.has_out = True
+            return
+        if len(t.remote.q_lens):
+            rk.fwd_part(t.remote, m, "remote")
+            self.has_out = True
+        if t.heads is not None:
+            rk.part_kernel(t.heads, m, "heads", causal=False)
+            self.head = True
+            self._merge()
+
+    def write_self(self) -> None:
+        sp = self.rk.t.q_back_splits
+        self.rk.copy("gather", sp.self_rows, self.rk.sz.q, "o_self", self.m)
+        self.rk.copy("place", sp.self_rows, self.rk.sz.q, "o_self", self.m)
+
+
+def _lead(plan, t: RankTables, M: int) -> int:
+    """``runtime.libra_attn._lead``."""
+    if t.local is None:
+        return M + 1
+    if 0 <= plan.local_lead <= M + 1:
+        return plan.local_lead
+    return M if len(t.remote.q_lens) == 0 and t.heads is None else M - 1
+
+
+def _forward(rk: _Rank, plan) -> None:
+    """``runtime.libra_attn._fwd``."""
+    t, M = rk.t, rk.heads.num_chunks
+    sends = rk.heads.kv_send_chunks()
+    lead = _lead(plan, t, M)
+    split = t.local is not None and lead <= M
+    chunks = []
+    for m in range(M):
+        q_pend = rk.dispatch_q(m, "q")
+        kv_pend = rk.dispatch_kv(m, "kv") if sends[m] else None
+        chunks.append(_FwdChunk(rk, m, q_pend, kv_pend, split))
+    lead = lead if split else 0
+    for m in range(lead):
+        chunks[m].local()
+    returns, relay_sends = [], []
+    for m, chunk in enumerate(chunks):
+        chunk.arrive(relay_sends)
+        chunk.remote()
+        row = rk.sz.q  # o_arr, or the arranged Q when no entry ran yet: the same row bytes
+        returns.append(rk.give_back(t.q_back_splits, row, row, "o", m))
+    for m in range(lead, M):
+        chunks[m].local()
+    for m, pending in enumerate(returns):
+        rk.into(pending, rk.sz.q, False, "o", m)
+    for pending in relay_sends:
+        rk.wait(pending[0])
+    if split:
+        for m in range(lead, M):
+            chunks[m].write_self()
+
+
+def _bwd_inputs(rk: _Rank, m: int, refetch: bool) -> dict:
+    """``runtime.libra_attn._bwd_inputs``."""
+    pending = {"do": rk.dispatch_q(m, "do")}
+    if refetch:
+        pending["q"] = rk.dispatch_q(m, "q_bwd")
+        if rk.heads.kv_send_chunks()[m]:
+            pending["kv"] = rk.dispatch_kv(m, "kv_bwd")
+        pending["o"] = rk.dispatch_q(m, "o_bwd")
+    return pending
+
+
+def _bwd_chunk(rk: _Rank, pending: dict, m: int) -> None:
+    """``runtime.libra_attn._bwd_chunk``."""
+    t, sz = rk.t, rk.sz
+    if "q" in pending:
+        rk.placed(pending["q"], sz.q, "q_bwd", m)
+        rk.placed(pending["o"], sz.q, "o_bwd", m)
+        if "kv" in pending:
+            rk.placed(pending["kv"], sz.kv, "kv_bwd", m)
+            relayed = rk.relay(m, "relay_bwd")
+            if relayed is not None:
+                rk.into(relayed, sz.kv, False, "relay_bwd", m)
+    rk.placed(pending["do"], sz.q, "do", m)
+    rk.packed_kv(sum(t.k_lens), "kv", m)
+    rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
+    rk.copy("add", sum(t.k_lens), sz.dkv_acc, "dkv", m)
+
+
+def _backward(rk: _Rank, refetch: bool) -> None:
+    """``runtime.libra_attn._bwd``."""
+    heads, t, sz = rk.heads, rk.t, rk.sz
+    M = heads.num_chunks
+    returns = heads.kv_return_chunks()
+    dkv_wire = 2 * sz.kp * sz.d * (sz.e if returns.all() else sz.acc)
+    incoming = _bwd_inputs(rk, 0, refetch)
+    outgoing = []
+    for m in range(M):
+        current = incoming
+        if m + 1 < M:
+            incoming = _bwd_inputs(rk, m + 1, refetch)
+        _bwd_chunk(rk, current, m)
+        returning = [(rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m)]
+        if returns[m]:
+            if t.relay_back_splits is not None:  # ``_relay_back``
+                sp = t.relay_back_splits
+                rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
+                pend = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
+                rk.into(pend, sz.dkv_acc, True, "relay_back", m)
+            # received at the wire dtype, cast to the accumulation dtype, then added: the add reads ``a`` bytes
+            returning.append((rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True,
+                              "dkv", m))
+        for pending, row, acc, tag, mm in outgoing:
+            rk.into(pending, row, acc, tag, mm)
+        outgoing = returning
+    for pending, row, acc, tag, mm in outgoing:
+        rk.into(pending, row, acc, tag, mm)
+
+
+def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> Tuple[tuple, tuple]:
+    """(forward ops, backward ops) of one ``RankPlan`` (module docstring). ``save_mode`` "arranged" | "refetch";
+    ``relay_comm``: the communicator the relay runs on ("relay": its twin group, as the launcher sets it up;
+    "pool": ``libra_attn_func(relay_group=None)``). Received rows are copied at the *target's* row bytes:
+    ``PendingExchange.into`` casts the received rows to the target dtype, then copies (dK|dV that travel at the
+    input dtype are added as fp32 rows)."""
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if relay_comm not in (POOL, RELAY):
+        raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
+    tables = rank_tables(plan)
+    fwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
+    _forward(fwd, plan)
+    bwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
+    _backward(bwd, save_mode == "refetch")
+    return tuple(fwd.ops), tuple(bwd.ops)
+
+
+def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> LayerOps:
+    """``rank_layer_ops`` of every rank of an ``ExchangePlan``."""
+    per_rank = [rank_layer_ops(plan.for_rank(r), save_mode, relay_comm) for r in range(plan.num_workers)]
+    return LayerOps(tuple(f for f, _ in per_rank), tuple(b for _, b in per_rank))

@@ -1,0 +1,234 @@
+"""Seconds of one phase (forward or backward) of a pool's attention layer: the op lists of all its ranks
+(``plan.model.ops``, issued as ``runtime.libra_attn`` issues them, listed by ``plan.exchange.schedule``)
+played on an event timeline with the peers coupled.
+
+Pure numpy. Per rank, two kinds of resource:
+    compute stream   kernels and index copies run one after another, in list order; a ``Wait`` holds the
+                     stream until that exchange has ended *on this rank*
+    link             one per rank, shared by both communicators (the pool group and the relay's twin): an
+                     exchange occupies it from its start for its own transfer time
+Exchanges on one communicator run in issue order (NCCL's FIFO per communicator): exchange c of a rank starts at
+    b = max(issued, the rank's previous exchange on the communicator ended, the rank's link free)
+where ``issued`` is the compute stream's time when it was issued (its send buffer is gathered by then). A
+transfer from s to d occupies s's egress and d's ingress, and it starts only when both have reached the
+exchange (max(b_s, b_d)). Inside one exchange the transfers share each rank's links max-min fairly (NCCL
+interleaves its peers' chunks): the message s -> d of ``n`` bytes, in link class k (intra-node or inter-node),
+is done after
+    max( sum over s's messages p in class k of min(bytes s -> p, n),
+         sum over d's incoming messages q in class k of min(bytes q -> d, n) ) / bandwidth_k  +  alpha_msg_k
+so a receive cannot finish before its sender has sent (a sender busy with larger messages delays it), and a
+small message is not held up by a large one. Exchange c ends on rank r at
+    end_r = alpha_call + max( b_r + self copy,  every message r sends or receives done )
+The self segment is copied at the copy rate (read + write). The link stays busy for
+x_r = max over classes of max(bytes sent, bytes received) / bandwidth (the other communicator waits for it).
+Costs of the
+compute stream: a kernel call is a launch plus its FLOPs (4 d x pairs x heads forward, times
+``BACKWARD_FLOPS_FACTOR`` backward) at ``StepTimeModel.call_seconds``' rate, plus ``kernel_entry_us`` per varlen
+entry (0 on a GPU; the CPU fit's per-entry loop); an index copy is a launch plus
+2 x its bytes at the copy rate (read + write); calls with nothing to do cost nothing.
+
+What is not modelled: transfers of two exchanges in flight at once sharing bandwidth (the second waits for
+the first's link time instead), NVLink / InfiniBand contention between pools and with other parallelisms'
+traffic, host-side launch gaps (the host is assumed ahead of the device), and stream priorities.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+
+from .ops import Copy, Exchange, Kernel, Wait
+from .rates import BACKWARD_FLOPS_FACTOR, GB, US
+
+__all__ = ["PhaseTiming", "price_ops", "kernel_op_seconds", "copy_op_seconds", "message_done_seconds",
+           "exchange_link_seconds"]
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseTiming:
+    """One phase of one pool layer, per worker (float64 [W]): ``seconds`` when its last op ends, ``compute``
+    the busy time of its compute stream (kernels + copies), ``exposed`` = seconds - compute (time the stream
+    waited for exchanges), ``link`` the busy time of its link."""
+
+    seconds: np.ndarray
+    compute: np.ndarray
+    link: np.ndarray
+
+    @property
+    def exposed(self) -> np.ndarray:
+        return self.seconds - self.compute
+
+
+def kernel_op_seconds(op: Kernel, model) -> float:
+    if op.entries == 0 or op.pairs == 0:
+        return 0.0
+    seconds = float(model.call_seconds(op.pairs, op.q_rows, op.heads))
+    if op.direction == "bwd":
+        seconds *= BACKWARD_FLOPS_FACTOR
+    return seconds + (model.kernel_launch_us + op.entries * model.kernel_entry_us) * US
+
+
+def copy_op_seconds(op: Copy, model) -> float:
+    if op.nbytes == 0:
+        return 0.0
+    return model.copy_launch_us * US + 2.0 * op.nbytes / (model.copy_gbps * GB)
+
+
+def _fair_sums(S: np.ndarray) -> np.ndarray:
+    """E[q, r] = sum over p of min(S[q, p], S[q, r]): what q's other messages delay its message to r under
+    max-min fair sharing (ties in any order give the same sums)."""
+    W = S.shape[1]
+    order = np.argsort(S, axis=1, kind="stable")
+    sorted_ = np.take_along_axis(S, order, axis=1)
+    cums = np.cumsum(sorted_, axis=1)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(W)[None, :].repeat(S.shape[0], axis=0), axis=1)
+    return np.take_along_axis(cums, pos, axis=1) + S * (W - 1 - pos)
+
+
+def message_done_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
+    """float64 [W, W]: seconds after both ends started until message s -> d of one exchange is done (module
+    docstring: max-min fair share of s's egress and d's ingress in its link class, plus its alpha); 0 where
+    nothing moves (and on the diagonal)."""
+    W = send.shape[0]
+    same = nodes[:, None] == nodes[None, :]
+    off = ~np.eye(W, dtype=bool)
+    out = np.zeros((W, W))
+    for mask, gbps, alpha in ((same & off, model.intra_node_gbps, model.intra_message_us),
+                              (~same, model.inter_node_gbps, model.inter_message_us)):
+        S = np.where(mask, send, 0.0)
+        if not S.any():
+            continue
+        share = np.maximum(_fair_sums(S), _fair_sums(S.T).T)
+        out = np.where(mask & (S > 0), share / (gbps * GB) + alpha * US, out)
+    return out
+
+
+def exchange_link_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
+    """float64 [W]: how long each rank's link is busy with one exchange: per class max(bytes sent, bytes
+    received) at the class bandwidth, the slower class."""
+    W = send.shape[0]
+    same = nodes[:, None] == nodes[None, :]
+    off = ~np.eye(W, dtype=bool)
+    out = np.zeros(W)
+    for mask, gbps in ((same & off, model.intra_node_gbps), (~same, model.inter_node_gbps)):
+        S = np.where(mask, send, 0.0)
+        out = np.maximum(out, np.maximum(S.sum(axis=1), S.sum(axis=0)) / (gbps * GB))
+    return out
+
+
+class _Collective:
+    """Issue times and byte matrices of one exchange (comm, seq) as its ranks issue it."""
+
+    def __init__(self, W: int):
+        self.issued = np.full(W, np.nan)
+        self.send = np.zeros((W, W))
+        self.recv = np.zeros((W, W))
+        self.count = 0
+
+    def add(self, rank: int, when: float, op: Exchange) -> None:
+        if not np.isnan(self.issued[rank]):
+            raise ValueError(f"exchange ({op.comm}, {op.seq}) issued twice by rank {rank}")
+        if len(op.send) != self.send.shape[0] or len(op.recv) != self.send.shape[0]:
+            raise ValueError(f"exchange ({op.comm}, {op.seq}) of rank {rank} names {len(op.send)} ranks, the pool "
+                             f"has {self.send.shape[0]}")
+        self.issued[rank], self.count = when, self.count + 1
+        self.send[rank], self.recv[rank] = op.send, op.recv
+
+    def check(self, key) -> None:
+        """Every rank's receive sizes are what its peers send it (what ``all_to_all_single`` requires)."""
+        if not np.array_equal(self.send, self.recv.T):
+            bad = np.argwhere(self.send != self.recv.T)[0]
+            raise ValueError(f"exchange {key}: rank {bad[0]} sends {self.send[bad[0], bad[1]]:.0f} bytes to rank "
+                             f"{bad[1]}, which expects {self.recv[bad[1], bad[0]]:.0f}")
+
+
+class _Timeline:
+    def __init__(self, ops_per_rank: Sequence[Sequence[object]], model, nodes: np.ndarray):
+        self.ops = [list(o) for o in ops_per_rank]
+        self.W, self.model, self.nodes = len(self.ops), model, nodes
+        self.ptr = [0] * self.W
+        self.t = [0.0] * self.W
+        self.busy = [0.0] * self.W
+        self.link_busy = np.zeros(self.W)
+        self.link_free = np.zeros(self.W)
+        self.pending: Dict[Tuple[str, int], _Collective] = {}
+        self.ends: Dict[Tuple[str, int], np.ndarray] = {}
+        self.comm_free: Dict[str, np.ndarray] = {}
+        self.next_seq: Dict[str, int] = {}
+
+    def advance(self, r: int) -> bool:
+        """Run rank r's ops until a wait whose exchange has not ended; whether any op ran."""
+        ops, ran = self.ops[r], False
+        while self.ptr[r] < len(ops):
+            op = ops[self.ptr[r]]
+            if isinstance(op, Wait):
+                end = self.ends.get((op.comm, op.seq))
+                if end is None:
+                    break
+                self.t[r] = max(self.t[r], float(end[r]))
+            elif isinstance(op, Exchange):
+                key = (op.comm, op.seq)
+                self.pending.setdefault(key, _Collective(self.W)).add(r, self.t[r], op)
+                self.next_seq.setdefault(op.comm, 0)
+            else:
+                cost = kernel_op_seconds(op, self.model) if isinstance(op, Kernel) else copy_op_seconds(op, self.model)
+                self.t[r] += cost
+                self.busy[r] += cost
+            self.ptr[r] += 1
+            ran = True
+        return ran
+
+    def resolve_one(self) -> bool:
+        """End the next exchange of the communicator whose next exchange every rank has issued earliest."""
+        ready = []
+        for comm, seq in self.next_seq.items():
+            coll = self.pending.get((comm, seq))
+            if coll is not None and coll.count == self.W:
+                ready.append((float(np.max(coll.issued)), comm, seq))
+        if not ready:
+            return False
+        _, comm, seq = min(ready)
+        coll = self.pending.pop((comm, seq))
+        coll.check((comm, seq))
+        free = self.comm_free.setdefault(comm, np.zeros(self.W))
+        start = np.maximum(np.maximum(coll.issued, free), self.link_free)
+        done = message_done_seconds(coll.send, self.nodes, self.model)
+        moves = done > 0
+        both = np.maximum(start[:, None], start[None, :]) + done  # [s, d]: message s -> d done
+        last = np.maximum(np.where(moves, both, -np.inf).max(axis=1, initial=-np.inf),
+                          np.where(moves, both, -np.inf).max(axis=0, initial=-np.inf))
+        own = start + 2.0 * np.diagonal(coll.send) / (self.model.copy_gbps * GB)  # the self segment
+        end = self.model.collective_us * US + np.maximum(own, last)
+        x = exchange_link_seconds(coll.send, self.nodes, self.model)
+        self.ends[(comm, seq)] = end
+        self.comm_free[comm] = end
+        self.link_free = start + x
+        self.link_busy += x
+        self.next_seq[comm] = seq + 1
+        return True
+
+    def run(self) -> PhaseTiming:
+        while True:
+            ran = any([self.advance(r) for r in range(self.W)])
+            resolved = self.resolve_one()
+            if all(p == len(o) for p, o in zip(self.ptr, self.ops)):
+                break
+            if not (ran or resolved):
+                stuck = [(r, self.ops[r][self.ptr[r]]) for r in range(self.W) if self.ptr[r] < len(self.ops[r])]
+                raise ValueError(f"the op lists cannot run to the end (ranks disagree on their exchanges): "
+                                 f"first stuck {stuck[:2]}")
+        if self.pending:
+            raise ValueError(f"exchanges issued but never ended: {sorted(self.pending)[:4]}")
+        return PhaseTiming(seconds=np.asarray(self.t), compute=np.asarray(self.busy), link=self.link_busy.copy())
+
+
+def price_ops(ops_per_rank: Sequence[Sequence[object]], model, nodes=None) -> PhaseTiming:
+    """``PhaseTiming`` of the ops of every rank of a pool (index = pool worker) under ``model``
+    (``StepTimeModel``: rates, latencies, nodes; ``nodes`` overrides ``model.nodes(W)``). Raises ValueError
+    when the lists cannot all run (ranks disagree on an exchange), never hangs."""
+    W = len(ops_per_rank)
+    node = model.nodes(W) if nodes is None else np.asarray(nodes, dtype=np.int64)
+    return _Timeline(ops_per_rank, model, node).run()
+
