@@ -2,8 +2,10 @@
 
 Example (the traces ship in ``data/traces/`` of the checkout):
     python -m libra_megatron.sim --trace data/traces/linux-6.12-files.qwen.txt \
-        --seq-len 262144 --gbs 128 --dp 32 --cp 8 --pool-size 4 8 16 --head-split 1 2 4 \
-        --block-size 4096 8192 --model qwen3-30b-a3b --json out.json --plots plots/
+        --seq-len 262144 --gbs 128 --dp 32 --cp 8 --libra-config configs/libra/256k.yaml \
+        --model qwen3-30b-a3b --json out.json --plots plots/
+``--libra-config FILE`` takes the run's Libra YAML as the defaults of the knobs (``sim.libra_yaml``); explicit
+flags (``--pool-size 4 8 16 --head-split 1 2 4``: a grid) override it.
 
 Everything is checked before the simulation starts, in this order: every flag (``spec_from_args``, the
 ``--calibration`` file included), the outputs (``--json``: its folder exists and takes a new file;
@@ -29,19 +31,23 @@ import sys
 from typing import List, Optional, Sequence, Type
 
 from ..cli import ArgumentParser, DefaultsHelpFormatter, add_debug_argument, run_cli
-from ..config import KvFetch, PackingMode, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind
+from ..config import (KvFetch, KvRelay, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement,
+                      TilingPolicy, TokenLayoutKind)
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
-from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS,
+from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_COPY_LAUNCH_US,
+                          DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
+                          DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_LAUNCH_US,
                           CalibrationTable, StepTimeModel)
 from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
+from .libra_yaml import LIBRA_CONFIG_FLAG, check_yaml_knobs, parse_with_libra_config, relay_on
 from .report import ProgressBar, format_table
 from .runner import run_simulation
-from .spec import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, check_jobs
+from .spec import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_LAYERS, MODEL_PRESETS, ModelDims, SimSpec, check_jobs
 from .sync import format_sync
 
-__all__ = ["build_parser", "spec_from_args", "check_outputs", "run", "main"]
+__all__ = ["build_parser", "parse_args", "spec_from_args", "check_outputs", "run", "main"]
 
 TOOL = "libra-sim"
 
@@ -85,7 +91,7 @@ def _add_sync_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only places EP groups by rank order)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (EP groups across lanes tie them)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
-    g.add_argument("--backward-ratio", type=float, default=2.0, help="backward seconds / forward seconds")
+    g.add_argument("--backward-ratio", default=None, help=argparse.SUPPRESS)  # removed: a one-line error
     g.add_argument("--other-seconds", type=float, default=0.0,
                    help="non-attention forward seconds per microbatch and stage, in the per-layer unit of the "
                         "attention times (equal for every packed sequence; 0: attention only)")
@@ -93,6 +99,11 @@ def _add_sync_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("Libra grid and knobs")
+    g.add_argument(LIBRA_CONFIG_FLAG, default=None, metavar="FILE",
+                   help="a Libra YAML (configs/libra/256k.yaml): its knobs become the defaults of the flags below "
+                        "(pool_size, head_split, block_size, num_chunks, tau, tiling, kv_fetch, sequence_placement, "
+                        "tile_placement, token_layout, packing, kv_relay, save_mode, activation_budget_gb; "
+                        "LibraConfig's default for a key it leaves out); explicit flags override it")
     _grid_option(g, "--pool-size", int, [8], "P values (each divides --dp)")
     _grid_option(g, "--head-split", int, [1], "H values")
     _grid_option(g, "--block-size", int, [4096], "B values (tokens)")
@@ -127,6 +138,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (divides --num-heads)")
     g.add_argument("--head-dim", type=int, default=None, help="head dimension")
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (bytes moved)")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="transformer layers (default: the --model preset's, else 1); save_mode auto budgets "
+                        "ceil(layers / --pp) of them")
 
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -137,12 +151,28 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS, help="GB/s per GPU to other nodes")
     g.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
                    help="GPUs per node (decides which links are intra-node)")
+    for flag, default, what in (("--collective-us", DEFAULT_COLLECTIVE_US, "latency of every all_to_all call"),
+                                ("--intra-message-us", DEFAULT_INTRA_MESSAGE_US, "latency of every same-node message"),
+                                ("--inter-message-us", DEFAULT_INTER_MESSAGE_US, "latency of every inter-node message"),
+                                ("--kernel-launch-us", DEFAULT_KERNEL_LAUNCH_US, "cost of every attention kernel call"),
+                                ("--copy-launch-us", DEFAULT_COPY_LAUNCH_US, "cost of every gather / scatter call"),
+                                ("--copy-gbps", DEFAULT_COPY_GBPS, "HBM GB/s of gathers and scatters (read + write)")):
+        g.add_argument(flag, type=float, default=default, help=f"{what} (whole-layer model; plan/model/rates.py "
+                                                               f"has the source of the default)")
     g.add_argument("--no-local-first", action="store_true",
                    help="price the plans without the Pipeliner's local split (every entry after its chunk's "
                         "dispatch arrived) instead of the runtime's local-first schedule, for comparison")
-    g.add_argument("--no-kv-relay", action="store_true",
-                   help="price plans without the K/V relay (every destination fetches from the home worker; "
-                        "the runtime's kv_relay: false)")
+    _choice_option(g, "--kv-relay", KvRelay, KvRelay.AUTO,
+                   "auto: exchange plans relay K/V between nodes as the runtime's kv_relay: auto does; off: every "
+                   "destination fetches from the home worker")
+    g.add_argument("--no-kv-relay", dest="kv_relay", action="store_const", const=KvRelay.OFF.value,
+                   help="the same as --kv-relay off")
+    _choice_option(g, "--save-mode", SaveModeName, LibraConfig.save_mode,
+                   "what the operator keeps for backward, priced in the backward: arranged, refetch (Q, K|V, O "
+                   "sent again), auto (per pool: arranged iff the worst rank's bytes x the stage's layers fit "
+                   "--activation-budget-gb, plan.model.memory.choose_save_mode)")
+    g.add_argument("--activation-budget-gb", type=float, default=LibraConfig.activation_budget_gb, metavar="GIB",
+                   help="save_mode auto's budget per GPU and microbatch over the stage's layers")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 
@@ -191,13 +221,37 @@ def _calibration(path: Optional[str]) -> Optional[CalibrationTable]:
     return CalibrationTable.from_json(path) if path is not None else None
 
 
+def _num_layers(args: argparse.Namespace) -> int:
+    layers = args.num_layers
+    if layers is None:
+        layers = MODEL_LAYERS.get(args.model, 1)
+    if layers < 1:
+        raise ValueError(f"--num-layers must be a positive integer, got {layers}")
+    return layers
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The simulator's flags, with ``--libra-config FILE``'s knobs as defaults (``sim.libra_yaml``)."""
+    args, config = parse_with_libra_config(build_parser(), argv)
+    args.libra_config_obj = config
+    return args
+
+
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
-    """Turn parsed flags into a validated ``SimSpec`` (ValueError names the flag)."""
+    """Turn parsed flags into a validated ``SimSpec`` (ValueError names the flag, or the YAML key and file)."""
+    if args.backward_ratio is not None:
+        raise ValueError("--backward-ratio was removed: the sync model takes every pool's priced backward seconds "
+                         "(plan.exchange.plan_layer_timing, forward then backward as the runtime runs them) instead "
+                         "of a ratio; leave the flag out")
     dims = _model_dims(args)
+    check_yaml_knobs(getattr(args, "libra_config_obj", None), args, dims.num_q_heads, dims.num_kv_heads)
     cost = StepTimeModel(head_dim=dims.head_dim, attn_tflops=args.attn_tflops, intra_node_gbps=args.intra_node_gbps,
                          inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
                          calibration=_calibration(args.calibration), local_first=not args.no_local_first,
-                         kv_relay=not args.no_kv_relay)
+                         kv_relay=relay_on(args.kv_relay), collective_us=args.collective_us,
+                         intra_message_us=args.intra_message_us, inter_message_us=args.inter_message_us,
+                         kernel_launch_us=args.kernel_launch_us, copy_launch_us=args.copy_launch_us,
+                         copy_gbps=args.copy_gbps)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,
@@ -209,7 +263,9 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         max_windows=args.max_windows, wlb_cap_factor=args.wlb_cap_factor, distca=not args.no_distca,
         memory_limit_gib=args.memory_limit_gib, pipeline_parallel_size=args.pp, virtual_pipeline_size=args.vpp,
         tensor_parallel_size=args.tp, expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
-        backward_ratio=args.backward_ratio, other_seconds=args.other_seconds, dump_orders=args.dump_orders is not None,
+        other_seconds=args.other_seconds, dump_orders=args.dump_orders is not None,
+        save_mode=SaveModeName(args.save_mode), activation_budget_gb=args.activation_budget_gb,
+        num_layers=_num_layers(args), libra_config=getattr(args, "libra_config", None),
     ).validate()
 
 
@@ -260,7 +316,7 @@ def _write_outputs(args: argparse.Namespace, result, report: dict) -> None:
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
     """The simulator; bad input raises ValueError naming the flag or file (``main`` turns it into one line)."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     spec = spec_from_args(args)
     _hybrid_cp(args)  # flag errors before any work
     check_outputs(args)

@@ -1,11 +1,22 @@
 """Baselines without cross-group exchange: Ulysses and a WLB-LLM-style re-packing (§6.1).
 
 Imports only ``libra_megatron.plan``. Units as in ``cost``: pair-heads (causal query-key pairs x query
-heads, Eq. 6 summed over a sequence) and seconds per attention layer forward.
+heads, Eq. 6 summed over a sequence) and seconds per attention layer.
 
 Ulysses. Each CP group runs one packed sequence; the head all-to-all gives every CP rank all L tokens
 and hq/CP heads, so it balances perfectly inside the group: per-rank load = sequence pair-heads / CP.
-Its all-to-all moves (CP-1)/CP of every rank's Q, K, V (in) and O (out) tokens, not overlapped.
+Forward: all-to-alls bring Q, K, V into the head layout and take O back: a rank holds t = L/CP tokens and
+keeps 1/CP of them, so it sends (and receives) (CP-1)/CP x t x (hq + 2 hkv) x d x e bytes in and
+(CP-1)/CP x t x hq x d x e out. Backward (as Transformer Engine's a2a CP and DeepSpeed-Ulysses run it): dO comes
+in the same way as Q (hq heads), the kernel's dQ, dK, dV go out as Q, K, V came in (hq + 2 hkv heads; at the
+activation dtype e): the same bytes as the forward, (CP-1)/CP x t x (2 hq + 2 hkv) x d x e per rank and phase.
+Q, K, V, O in the head layout are kept from the forward (FlashAttention saves them), so nothing else travels.
+Nothing overlaps the all-to-alls. ``ulysses_layer_seconds`` prices both phases under the whole-layer model:
+compute = one kernel call of pair-heads / CP (the backward at ``BACKWARD_FLOPS_FACTOR`` = 2.5 x the forward
+FLOPs: FlashAttention's 5 matmuls with the recomputed QK^T, vs 2) plus its launch; four all-to-all calls per
+phase (Q, K, V / O forward; dO / dQ, dK, dV backward, one tensor each), each paying ``collective_us`` plus, per
+link class, bytes / bandwidth + peers x the message latency. ``ulysses_worker_seconds`` is the earlier
+forward-only figure (no latencies), kept for the ``forward_*`` keys.
 
 WLB-LLM, as the Libra paper reproduced it (no outlier deferral): the documents (segments) of one GBS
 window are re-packed into DP*GA = GBS variable-token sequences, heaviest first, each into the sequence
@@ -19,9 +30,12 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import StepTimeModel
+from ..plan.model import BACKWARD_FLOPS_FACTOR, GB, StepTimeModel
 
-__all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_comm_bytes", "wlb_repack"]
+__all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_layer_seconds", "ulysses_comm_bytes",
+           "ulysses_call_seconds", "wlb_repack"]
+
+US = 1e-6  # seconds per microsecond (the latencies are in us)
 
 
 def sequence_pair_heads(segments: Sequence[np.ndarray], num_q_heads: int) -> np.ndarray:
@@ -60,6 +74,34 @@ def ulysses_worker_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, i
     compute = cost.call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
     intra, inter = ulysses_comm_bytes(tokens, cp, hq, hkv, cost.head_dim, elem_bytes, cost.gpus_per_node)
     return compute + cost.comm_seconds(intra, inter)
+
+
+def ulysses_call_seconds(tokens, cp: int, heads_moved: int, elem_bytes: int, cost: StepTimeModel) -> np.ndarray:
+    """Seconds of one all-to-all moving ``heads_moved`` heads of every token of a rank's L/CP (CP-1)/CP share:
+    ``collective_us`` + max over link classes of (bytes / bandwidth + peers of the class x message latency)."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    if cp == 1:
+        return np.zeros_like(tokens)
+    total = tokens / cp * heads_moved * cost.head_dim * elem_bytes * (cp - 1) / cp
+    intra_peers = min(cp, cost.gpus_per_node) - 1
+    inter_peers = cp - 1 - intra_peers
+    share = intra_peers / (cp - 1)
+    intra = total * share / (cost.intra_node_gbps * GB) + intra_peers * cost.intra_message_us * US
+    inter = np.where(inter_peers > 0, total * (1.0 - share) / (cost.inter_node_gbps * GB)
+                     + inter_peers * cost.inter_message_us * US, 0.0)
+    return cost.collective_us * US + np.maximum(intra, inter)
+
+
+def ulysses_layer_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, int],
+                          cost: StepTimeModel) -> Tuple[np.ndarray, np.ndarray]:
+    """Per-sequence (= per CP rank of its group) (forward, backward) seconds under the whole-layer model (module
+    docstring): compute of load/CP plus the un-overlapped all-to-alls. ``heads`` = (hq, hkv, elem_bytes)."""
+    hq, hkv, elem_bytes = heads
+    compute = cost.call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
+    launch = np.where(np.asarray(pair_heads) > 0, cost.kernel_launch_us * US, 0.0)
+    calls = [ulysses_call_seconds(tokens, cp, h, elem_bytes, cost) for h in (hq, hkv, hkv, hq)]  # Q K V | O
+    comm = np.sum(calls, axis=0)  # backward: dO | dQ dK dV, the same four sizes
+    return compute + launch + comm, compute * BACKWARD_FLOPS_FACTOR + launch + comm
 
 
 def wlb_repack(segments: Sequence[np.ndarray], num_sequences: int, cap_tokens: float) -> List[np.ndarray]:

@@ -4,23 +4,36 @@ Pure numpy. The schedules come from Megatron-LM's own ``BalancedCPScheduler`` ru
 ``libra_megatron.megatron.hybrid_cp_baseline`` in a subprocess (this package imports neither torch nor
 megatron); ``subprocess_scheduler`` is the client the ``--megatron-hybrid-cp`` flag uses.
 
-What is modelled (per attention layer, forward, the same ``StepTimeModel`` as Libra):
+What is modelled (per attention layer, forward then backward, the same ``StepTimeModel`` as Libra):
   schedule   per GBS window, Megatron's groups run one after another (a barrier between groups); in a group
              every GPU runs its documents one after another; a document listed by cp GPUs of a group runs
              as one CP group of those GPUs (ranks of the DP x CP grid, GPU g on node g // gpus_per_node).
   compute    a document of l tokens is hq * l (l + 1) / 2 pair-heads (Eq. 6), split evenly over its cp
              GPUs (zigzag load balance), at the constant throughput (or the calibration table at l/cp
              query tokens and hq heads per call).
-  comm       cp > 1: ring attention with per-step overlap, as Transformer Engine's P2P ring runs it: cp steps
-             of equal compute c = compute / cp; before step i (i >= 1) the K/V block of l/cp tokens
-             (2 * hkv * d * elem bytes per token, all kv heads) arrives from the ring neighbour, sent while
-             step i-1 computes. A step's transfer takes x = bytes / bandwidth, intra-node when the CP
-             group's GPUs share one node, inter-node otherwise (the ring's slowest link paces every step).
-             Document time = c + (cp - 1) * max(c, x); the exposed part is (cp - 1) * max(0, x - c).
+  comm       cp > 1: ring attention with per-step overlap, as Transformer Engine's P2P ring
+             (``AttnFuncWithCPAndKVP2P``) runs it. Forward: cp steps of equal compute c = compute / cp plus a
+             kernel launch; before step i (i >= 1) the K/V block of l/cp tokens (2 * hkv * d * elem bytes per
+             token, all kv heads) arrives from the ring neighbour, sent while step i-1 computes, in
+             x = alpha + bytes / bandwidth: alpha = the message latency (``StepTimeModel.intra_message_us`` /
+             ``inter_message_us``) per ring step, the bandwidth intra-node when the CP group's GPUs share one
+             node, inter-node otherwise (the ring's slowest link paces every step: every GPU waits for its
+             neighbour, the coupling of a ring).
+             forward  = c + (cp - 1) * max(c, x)
+             Backward: cp steps of compute c_b = 2.5 x c (``BACKWARD_FLOPS_FACTOR``: FlashAttention's backward
+             recomputes QK^T, 5 matmuls vs 2) plus a launch; the K/V block travels the ring again and the
+             partial dK|dV sums travel with it (TE sends K|V and dK|dV in one buffer per step, at the
+             activation dtype), so each of the cp - 1 overlapped transfers moves twice the bytes,
+             x_b = alpha + 2 * bytes / bandwidth; after the last step the dK|dV block takes one more hop home,
+             x (exposed: nothing is left to compute).
+             backward = c_b + (cp - 1) * max(c_b, x_b) + x
+             The exposed part of each phase is its time minus its compute (cp x c or cp x c_b, launches included).
   not        the per-step all-to-all that reroutes sub-samples to their GPUs (once per step, not per
-             layer), padding of documents to multiples of 2*cp, and kernel launch overheads.
-The window's time is the sum over groups of the slowest GPU's time; it is compared with Libra's sum of
-GA step stragglers over the same window and the same lower bound.
+             layer), padding of documents to multiples of 2*cp, the softmax-correction copies of every ring step
+             and the zigzag halves' extra kernel calls -- all favour Megatron.
+The window's time is the sum over groups of the slowest GPU's time (forward + backward of its documents); it is
+compared with Libra's sum of GA step stragglers over the same window and the same lower bound (whole layer;
+the ``forward_*`` keys: the forward alone, without latencies and launches, over the forward-only bound).
 """
 from __future__ import annotations
 
@@ -32,9 +45,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import StepTimeModel
+from ..plan.model import BACKWARD_FLOPS_FACTOR, StepTimeModel
 
-__all__ = ["HybridCpBaseline", "HybridCpDims", "price_schedule", "subprocess_scheduler", "ring_document_seconds", "BASELINE_MODULE"]
+__all__ = ["HybridCpBaseline", "HybridCpDims", "price_schedule", "subprocess_scheduler", "ring_document_seconds",
+           "ring_layer_seconds", "BASELINE_MODULE"]
+
+US = 1e-6  # seconds per microsecond (the latencies are in us)
 
 BASELINE_MODULE = "libra_megatron.megatron.hybrid_cp_baseline"
 Schedule = List[List[List[int]]]  # groups x GPUs x document indices
@@ -64,26 +80,57 @@ def ring_document_seconds(length: int, members: Sequence[int], dims: HybridCpDim
     return step + (cp - 1) * max(step, x), compute
 
 
+def ring_layer_seconds(length: int, members: Sequence[int], dims: HybridCpDims,
+                       cost: StepTimeModel) -> Tuple[float, float, float, float]:
+    """(forward seconds, forward compute, backward seconds, backward compute) of one document of ``length``
+    tokens on the CP group ``members`` (GPU ids), the whole-layer ring model of the module docstring."""
+    cp = len(members)
+    pair_heads = dims.num_q_heads * length * (length + 1) / 2.0
+    work = float(cost.call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))  # all cp steps' FLOPs
+    launch = cost.kernel_launch_us * US if length > 0 else 0.0
+    step_f, step_b = work / cp + launch, work * BACKWARD_FLOPS_FACTOR / cp + launch
+    if cp == 1:
+        return step_f, step_f, step_b, step_b
+    inter = len({g // cost.gpus_per_node for g in members}) > 1
+    alpha = (cost.inter_message_us if inter else cost.intra_message_us) * US
+    block_bytes = length / cp * 2 * dims.num_kv_heads * cost.head_dim * dims.elem_bytes
+
+    def hop(nbytes: float) -> float:
+        return alpha + float(cost.comm_seconds(0.0, nbytes) if inter else cost.comm_seconds(nbytes, 0.0))
+
+    x, x_b = hop(block_bytes), hop(2.0 * block_bytes)
+    forward = step_f + (cp - 1) * max(step_f, x)
+    backward = step_b + (cp - 1) * max(step_b, x_b) + x
+    return forward, cp * step_f, backward, cp * step_b
+
+
 def _group_gpu_seconds(group: List[List[int]], doc_lens: Sequence[int], dims: HybridCpDims,
-                       cost: StepTimeModel) -> Tuple[np.ndarray, np.ndarray]:
-    """(seconds [GPUs], compute [GPUs]) of one group of the schedule."""
+                       cost: StepTimeModel, layer: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """(seconds [GPUs], compute [GPUs]) of one group of the schedule: forward only (``ring_document_seconds``)
+    or, ``layer``, forward + backward (``ring_layer_seconds``)."""
     members = {}
     for gpu, docs in enumerate(group):
         for d in docs:
             members.setdefault(d, []).append(gpu)
-    per_doc = {d: ring_document_seconds(int(doc_lens[d]), gpus, dims, cost) for d, gpus in members.items()}
+    if layer:
+        per_doc = {}
+        for d, gpus in members.items():
+            fs, fc, bs, bc = ring_layer_seconds(int(doc_lens[d]), gpus, dims, cost)
+            per_doc[d] = (fs + bs, fc + bc)
+    else:
+        per_doc = {d: ring_document_seconds(int(doc_lens[d]), gpus, dims, cost) for d, gpus in members.items()}
     seconds = np.array([sum(per_doc[d][0] for d in docs) for docs in group])
     compute = np.array([sum(per_doc[d][1] for d in docs) for docs in group])
     return seconds, compute
 
 
 def price_schedule(schedule: Schedule, doc_lens: Sequence[int], dims: HybridCpDims,
-                   cost: StepTimeModel) -> Tuple[float, float]:
+                   cost: StepTimeModel, layer: bool = False) -> Tuple[float, float]:
     """(window seconds, compute seconds on the critical path): sum over groups of the slowest GPU's time and
-    of that GPU's compute (ties go to the largest compute)."""
+    of that GPU's compute (ties go to the largest compute); forward only, or ``layer``: forward + backward."""
     total = compute_total = 0.0
     for group in schedule:
-        seconds, compute = _group_gpu_seconds(group, doc_lens, dims, cost)
+        seconds, compute = _group_gpu_seconds(group, doc_lens, dims, cost, layer)
         top = seconds.max(initial=0.0)
         total += top
         compute_total += compute[seconds >= top * (1.0 - 1e-9)].max(initial=0.0)
@@ -116,15 +163,21 @@ class HybridCpBaseline:
     max_seqlen_per_rank: Optional[int] = None
 
     def evaluate(self, windows: List[List[int]], lower_bounds: Sequence[float], num_steps: int, dims: HybridCpDims,
-                 cost: StepTimeModel, dp_cp: int, seq_len: int, cp: int) -> dict:
+                 cost: StepTimeModel, dp_cp: int, seq_len: int, cp: int,
+                 forward_lower_bounds: Optional[Sequence[float]] = None) -> dict:
         """JSON-ready summary over ``windows`` (document lengths of each GBS window); ``lower_bounds`` are the
-        windows' perfectly balanced, communication-free times (GA steps each, as Libra's)."""
+        windows' perfectly balanced, communication-free forward + backward times (GA steps each, as Libra's),
+        ``forward_lower_bounds`` the forward-only ones (the ``forward_*`` keys)."""
         cap = self.max_seqlen_per_rank or seq_len // cp
         schedules = self.scheduler(windows, dp_cp, cap)
-        priced = np.array([price_schedule(s, lens, dims, cost) for s, lens in zip(schedules, windows)])
-        seconds, compute = priced[:, 0], priced[:, 1]
-        return {"max_seqlen_per_rank": int(cap), "num_groups_mean": float(np.mean([len(s) for s in schedules])),
-                "mean_step_seconds": float(seconds.mean() / num_steps),
-                "compute_seconds": float(compute.mean() / num_steps),
-                "exposed_comm_seconds": float((seconds - compute).mean() / num_steps),
-                "straggler_vs_lower_bound": float(seconds.sum() / np.sum(lower_bounds))}
+        out = {"max_seqlen_per_rank": int(cap), "num_groups_mean": float(np.mean([len(s) for s in schedules]))}
+        for prefix, layer, bounds in (("", True, lower_bounds), ("forward_", False, forward_lower_bounds)):
+            if bounds is None:
+                continue
+            priced = np.array([price_schedule(s, lens, dims, cost, layer) for s, lens in zip(schedules, windows)])
+            seconds, compute = priced[:, 0], priced[:, 1]
+            out.update({f"{prefix}mean_step_seconds": float(seconds.mean() / num_steps),
+                        f"{prefix}compute_seconds": float(compute.mean() / num_steps),
+                        f"{prefix}exposed_comm_seconds": float((seconds - compute).mean() / num_steps),
+                        f"{prefix}straggler_vs_lower_bound": float(seconds.sum() / np.sum(bounds))})
+        return out

@@ -108,7 +108,7 @@ def _plot_worst(plt, report: Dict, path: str) -> None:
     ax.bar(x, exposed, width=0.8, bottom=compute, color="tab:orange", label="Libra exposed comm")
     ax.step(x, uly, where="mid", color="k", lw=1, label=f"Ulysses, same GA step in sampler order (max {uly.max():.1f} ms)")
     ax.axhline((compute + exposed).max(), color="tab:red", lw=1, label=f"Libra max {(compute + exposed).max():.1f} ms")
-    ax.set(xlabel="worker (DP rank x CP rank)", ylabel="ms per attention layer (fwd)",
+    ax.set(xlabel="worker (DP rank x CP rank)", ylabel="ms per attention layer (fwd + bwd)",
            title=f"Slowest step of P={rec['pool_size']} H={rec['head_split']} B={rec['block_size']} "
                  f"(window {worst['window']}, step {worst['step']})")
     ax.set_xlim(-0.5, compute.size - 0.5)

@@ -6,7 +6,12 @@ pool whose first GPU has global index ``first_gpu`` puts worker w on node (first
 Per-worker link bytes, and the Pipeliner phase they travel in, are read off the ExchangePlan built for
 the assignment (``plan.exchange.traffic.plan_traffic``: the executed routes' per-peer units), and so is the split of
 every worker's varlen entries into local and remote ones (``ExchangePlan.hosted_pair_heads``); the
-Pipeliner's timeline (``plan.model.timing.pipeline_seconds``) turns them into seconds. ``traffic_edges`` is an
+Pipeliner's timeline (``plan.model.timing.pipeline_seconds``) turns them into forward seconds (the earlier,
+forward-only figures: ``seconds``, ``compute_seconds``). The whole layer, forward then backward as the runtime
+runs it, is priced by ``plan.exchange.plan_layer_timing`` (every rank's op list, peers coupled, latencies and
+copies included) in the pool's save mode: the run's ``--save-mode``, or for ``auto`` what
+``plan.model.memory.choose_save_mode`` picks from the plan's predicted arranged bytes, the activation budget and
+the stage's layers (``fwd_*``, ``bwd_*``, ``save_mode``). ``traffic_edges`` is an
 independent re-derivation from the tiles (kept to cross-check the plan in tests/sim):
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
@@ -23,14 +28,14 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from ..config import KvFetch, TilingPolicy
-from ..plan.exchange import build_exchange_plan, fetched_groups, home_runs_in_prefix, plan_traffic
+from ..config import KvFetch, LibraConfig, SaveModeName, TilingPolicy
+from ..plan.exchange import build_exchange_plan, fetched_groups, home_runs_in_prefix, plan_layer_timing, plan_traffic
 from ..plan.layout import HeadLayout, TokenLayout
-from ..plan.model import StepTimeModel
+from ..plan.model import StepTimeModel, choose_save_mode, saved_bytes_per_rank
 from ..plan.tiles import TilePlacementResult, TileSet, build_tiles, place_tiles, reads_timing
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
-           "PoolKnobs", "local_compute_seconds"]
+           "PoolKnobs", "local_compute_seconds", "SaveRule", "pool_save_mode"]
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,16 @@ class PoolResult:
     compute_seconds: np.ndarray
     local_compute_seconds: np.ndarray  # the part of compute_seconds spent on local entries (``local_compute_seconds``)
     comm_seconds: np.ndarray  # link busy seconds before overlap: every chunk's dispatch and return, summed
-    seconds: np.ndarray  # the Pipeliner timeline: compute + exposed comm
+    seconds: np.ndarray  # forward only, the Pipeliner timeline: compute + exposed comm (the ``forward_*`` figures)
     bytes_qkvo: Tuple[int, int, int]  # per layer forward, pool total
     num_tiles: int
     num_fallback: int
+    # the whole layer under the event model (``plan.exchange.plan_layer_timing``), peers coupled:
+    fwd_seconds: np.ndarray = None  # forward: when the worker's last op ends
+    fwd_compute_seconds: np.ndarray = None  # its compute stream's busy time (kernels + index copies)
+    bwd_seconds: np.ndarray = None  # backward, in ``save_mode``
+    bwd_compute_seconds: np.ndarray = None
+    save_mode: str = "arranged"  # the mode the backward was priced in (``auto`` resolved per pool)
 
     @property
     def intra_imbalance(self) -> float:
@@ -106,17 +117,41 @@ def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: StepTime
     return np.bincount(assignment, weights=per_tile, minlength=tiles.num_workers)
 
 
-def evaluate_pool(tiles: TileSet, tau: float, method, cost: StepTimeModel, first_gpu: int) -> PoolResult:
+@dataclass(frozen=True)
+class SaveRule:
+    """The run's save mode: ``mode`` arranged | refetch | auto; auto's ``budget_gb`` (GiB per GPU and microbatch)
+    over ``num_layers`` layers (the pipeline stage's) and the ``local_tokens`` every rank holds (L / CP)."""
+
+    mode: SaveModeName = SaveModeName.ARRANGED
+    budget_gb: float = LibraConfig.activation_budget_gb
+    num_layers: int = 1
+    local_tokens: int = 0
+
+
+def pool_save_mode(plan, heads: HeadLayout, rule: SaveRule) -> str:
+    """The mode the runtime runs this pool's plan in: ``rule.mode``, or for auto the planner's rule
+    (``choose_save_mode`` on the plan's predicted arranged bytes per rank)."""
+    mode = SaveModeName(rule.mode)
+    if mode is SaveModeName.AUTO:
+        arranged = saved_bytes_per_rank(plan, heads, rule.local_tokens, SaveModeName.ARRANGED)
+        mode = choose_save_mode(mode, arranged, rule.budget_gb, rule.num_layers)
+    return mode.value
+
+
+def evaluate_pool(tiles: TileSet, tau: float, method, cost: StepTimeModel, first_gpu: int,
+                  save: SaveRule = SaveRule()) -> PoolResult:
     """Place the pool's tiles with ``method`` and turn the assignment into per-worker seconds."""
-    return pool_result(tiles, place_tiles(tiles, tau, method), cost, first_gpu)
+    return pool_result(tiles, place_tiles(tiles, tau, method), cost, first_gpu, save)
 
 
-def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: StepTimeModel, first_gpu: int) -> PoolResult:
+def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: StepTimeModel, first_gpu: int,
+                save: SaveRule = SaveRule()) -> PoolResult:
     """Per-worker seconds of a given placement (M = ``tiles.heads.num_chunks`` = ``cost.num_chunks``).
 
     Bytes per link, worker and Pipeliner phase, and the split of every worker's entries into local and
     remote ones, come from the ExchangePlan the runtime would execute for this assignment (``plan.exchange.traffic``,
-    ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline."""
+    ``ExchangePlan.hosted_pair_heads``); ``cost.worker_seconds`` lays them on the Pipeliner's timeline (forward).
+    ``plan_layer_timing`` prices the same plan's forward and backward op lists in the pool's save mode."""
     reuse = placed.exchange is not None and placed.exchange.heads == tiles.heads  # the placer's plan, same M
     timing = cost.at_gpu(first_gpu) if cost.kv_relay else None  # the relay follows the pool's nodes
     plan = placed.exchange if reuse else build_exchange_plan(tiles, placed.assignment, timing)
@@ -125,6 +160,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: StepTimeModel
     compute = _tile_compute_seconds(tiles, placed.assignment, cost)
     local = local_compute_seconds(compute, plan.hosted_pair_heads)
     dispatch, ret = traffic.phase_seconds(nodes, cost)
+    mode = pool_save_mode(plan, tiles.heads, save)
+    layer = plan_layer_timing(plan, cost.at_gpu(first_gpu), mode)
     return PoolResult(
         pair_heads=np.asarray(placed.loads, dtype=np.float64), compute_seconds=compute, local_compute_seconds=local,
         comm_seconds=dispatch.sum(axis=1) + ret.sum(axis=1),
@@ -132,6 +169,8 @@ def pool_result(tiles: TileSet, placed: TilePlacementResult, cost: StepTimeModel
                                     traffic.relay_timing(nodes, cost)),
         bytes_qkvo=tuple(int(b) for b in placed.comm_bytes), num_tiles=tiles.num_tiles,
         num_fallback=int(placed.num_fallback),
+        fwd_seconds=layer.forward.seconds, fwd_compute_seconds=layer.forward.compute,
+        bwd_seconds=layer.backward.seconds, bwd_compute_seconds=layer.backward.compute, save_mode=mode,
     )
 
 
@@ -157,8 +196,10 @@ class PoolEvaluator:
     evaluated once.
     """
 
-    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, cost: StepTimeModel):
+    def __init__(self, segments, layout: TokenLayout, hq: int, hkv: int, elem_bytes: int, cost: StepTimeModel,
+                 save: SaveRule = None):
         self.segments, self.layout, self.cost = segments, layout, cost
+        self.save = save if save is not None else SaveRule(local_tokens=layout.local_len)
         self._head_args = (hq, hkv, cost.head_dim, elem_bytes)
         self._tiles: Dict[tuple, TileSet] = {}
         self._placed: Dict[tuple, TilePlacementResult] = {}
@@ -195,7 +236,7 @@ class PoolEvaluator:
             if placed is None:
                 timing = self.cost.at_gpu(first_gpu) if timed else None
                 placed = self._placed[pkey] = place_tiles(tiles, knobs.tau, method, timing=timing)
-            hit = self._cache[key] = pool_result(tiles, placed, self.cost, first_gpu)
+            hit = self._cache[key] = pool_result(tiles, placed, self.cost, first_gpu, self.save)
         return hit
 
     def clear(self) -> None:

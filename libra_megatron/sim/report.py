@@ -50,6 +50,7 @@ _COLUMNS = (  # header, width, getter
     ("vs Uly", 7, lambda c: f"{c['straggler_vs_ulysses']:.3f}"),
     ("max vs Uly", 10, lambda c: f"{c['straggler_max_vs_ulysses']:.3f}"),
     ("vs LB", 6, lambda c: f"{c['straggler_vs_lower_bound']:.3f}"),
+    ("fwd vs LB", 9, lambda c: f"{c['forward_straggler_vs_lower_bound']:.3f}"),
     ("TAP x", 6, lambda c: _speedup(c, "tap")),
     ("T+V x", 6, lambda c: _speedup(c, "tap_vrsp")),
     ("DistCA x", 8, lambda c: _speedup(c, "distca")),
@@ -82,7 +83,22 @@ def _megatron_line(report: Dict) -> List[str]:
         return []
     return [f"Megatron-LM hybrid CP (BalancedCPScheduler, max {meg['max_seqlen_per_rank']} tokens/rank): mean step "
             f"{meg['mean_step_seconds'] * 1e3:.2f} ms (compute {meg['compute_seconds'] * 1e3:.2f} + exposed comm "
-            f"{meg['exposed_comm_seconds'] * 1e3:.2f}), vs LB {meg['straggler_vs_lower_bound']:.3f}"]
+            f"{meg['exposed_comm_seconds'] * 1e3:.2f}), vs LB {meg['straggler_vs_lower_bound']:.3f}"
+            + (f" (forward only {meg['forward_straggler_vs_lower_bound']:.3f})"
+               if "forward_straggler_vs_lower_bound" in meg else "")]
+
+
+def _split_text(report: Dict) -> str:
+    """`` (forward 1.23 ms = 1.00 compute + 0.23 exposed; backward ...)`` of the recommended candidate."""
+    best = report["recommended"]
+    cand = next((c for c in report["candidates"] if all(c[k] == best[k] for k in _KNOBS)), None)
+    split = (cand or {}).get("straggler_split")
+    if not split:
+        return ""
+    parts = [f"{phase} {v['seconds'] * 1e3:.2f} ms = {v['compute_seconds'] * 1e3:.2f} compute + "
+             f"{v['exposed_comm_seconds'] * 1e3:.2f} exposed" for phase, v in split.items()]
+    return f" ({'; '.join(parts)}; save mode {cand['save_mode_pools']}); forward only (Pipeliner) " \
+           f"{cand['forward_estimated_step_seconds'] * 1e3:.2f} ms"
 
 
 def format_table(report: Dict) -> str:
@@ -106,9 +122,12 @@ def format_table(report: Dict) -> str:
         f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",
         *_megatron_line(report),
         f"recommended P={best['pool_size']} H={best['head_split']} B={best['block_size']}{swept}: estimated step "
-        f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer forward",
+        f"{best['estimated_step_seconds'] * 1e3:.2f} ms per attention layer, forward + backward"
+        + _split_text(report),
         "columns: R-1 = inter-pool max/mean-1 of sum l^2; intra (max) = worker max/mean-1 (Eq. 6), mean (worst) over"
         " pools; GB = remote bytes per pool"
-        " per layer fwd; comp/exp ms = the straggler's compute and exposed comm, mean per step; vs Uly/LB = straggler time ratio (lower is better); 'x' = speedup over Ulysses (higher is better)",
+        " per layer fwd; step/comp/exp ms = the straggler's forward + backward, its compute and exposed comm, mean per"
+        " step; vs Uly/LB = straggler time ratio, forward + backward (lower is better); fwd vs LB = the forward-only"
+        " Pipeliner figure; 'x' = speedup over Ulysses (higher is better)",
     ]
     return "\n".join(rows)

@@ -1,7 +1,10 @@
 """Corpus simulator (§5 "Configuration simulator"): replay VRSP and TAP over every GBS window.
 
-Imports only ``libra_megatron.plan`` and ``libra_megatron.config``. All times are per attention layer,
-forward pass, from ``plan.model.StepTimeModel``. Definitions (every number is a mean over windows unless noted):
+Imports only ``libra_megatron.plan`` and ``libra_megatron.config``. All times are per attention layer, forward
+then backward as the runtime runs them (``plan.exchange.plan_layer_timing``: every rank's op list priced with the
+peers coupled, the backward in the pool's save mode); the ``forward_*`` keys keep the forward-only Pipeliner
+timeline (``StepTimeModel.worker_seconds``, each worker alone) over the forward-only bound. Definitions (every
+number is a mean over windows unless noted):
 
 window      GBS consecutive packed sequences of the corpus (packing order); a trailing partial window
             is dropped. With ``max_windows`` N only the first N*GBS sequences are packed (megatron
@@ -13,12 +16,14 @@ inter-pool  R - 1 = max/mean - 1 of pool loads sum_i F_i (Eq. 2/4) for the conti
             ``workload.pool_lower_bound_counting`` (no grouping can beat it); ``eq3`` is Eq. 3 with the
             window's CV of F_i and D = GBS.
 intra-pool  max/mean - 1 of Eq. 6 worker loads after tile placement, mean over pool instances.
-straggler   (per instance) per step, max over the DP*CP workers of compute + exposed comm (``cost``), as if
-            every pool waited for every other after each microbatch; a candidate's
-            ``estimated_step_seconds`` is its mean over all steps of all windows -- the objective the
-            recommendation minimises. ``straggler_vs_ulysses`` = sum of Libra step stragglers / sum of
-            Ulysses step stragglers (< 1 is faster); ``straggler_vs_lower_bound`` divides by the
-            perfectly balanced, communication-free step: window compute at peak rate / (GA*DP*CP).
+straggler   (per instance) per step, max over the DP*CP workers of their forward plus max over them of their
+            backward (each compute + exposed comm), as if every pool waited for every other after each
+            microbatch; a candidate's ``estimated_step_seconds`` is its mean over all steps of all windows --
+            the objective the recommendation minimises. ``straggler_vs_ulysses`` = sum of Libra step
+            stragglers / sum of Ulysses' (forward + backward, ``sim.baselines``; < 1 is faster);
+            ``straggler_vs_lower_bound`` divides by the perfectly balanced, communication-free step: the
+            window's forward + backward compute at peak rate / (GA*DP*CP) (``balanced_layer_seconds``,
+            backward = 2.5 x forward FLOPs). ``forward_*``: the same with the forward-only figures.
 sync        the same pools under the synchronisation model (``sim.sync``, ``plan.sequences.sync``): lanes, EP ties,
             pipelines (--pp/--vpp), DP at step end; ``sync_*``, ``lane_imbalance``, ``pipeline_bubble_fraction*``.
 bytes       per pool instance and layer forward (remote only), split Q / KV / O (``ExchangePlan`` totals).
@@ -41,9 +46,9 @@ from ..plan.layout import TokenLayout
 from ..plan.model import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from ..plan.packing import num_packed_upper_bound, pack_documents
 from ..plan.sequences import place_sequences, pool_loads
-from .baselines import sequence_pair_heads, ulysses_worker_seconds, wlb_repack
+from .baselines import sequence_pair_heads, ulysses_layer_seconds, ulysses_worker_seconds, wlb_repack
 from .hybrid_cp import HybridCpBaseline, HybridCpDims
-from .pools import PoolEvaluator, PoolKnobs, PoolResult
+from .pools import PoolEvaluator, PoolKnobs, PoolResult, SaveRule
 from .result import Candidate, SimResult, WorstStep, _merge_window, _Steps, _worst_seconds
 from .spec import (DTYPE_BYTES, MAX_TILES_PER_POOL, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, _num_windows,
                    check_jobs, check_run_cost)
@@ -84,28 +89,41 @@ def _pool_positions(num_pools: int, pool_size: int, dp: int) -> Tuple[np.ndarray
 
 @dataclass
 class _OrderRun:
-    """One placement variant on one window: per-step stragglers and the pools that ran."""
+    """One placement variant on one window: per-step stragglers and the pools that ran.
 
-    step_seconds: np.ndarray  # [GA]
+    ``step_seconds`` / ``step_compute`` [GA]: the whole layer (forward straggler + backward straggler, and their
+    compute); ``forward_seconds`` / ``forward_compute``: the forward-only Pipeliner figures; ``phases``: each
+    phase's straggler seconds and compute under the event model (``_Steps.phases`` keys)."""
+
+    step_seconds: np.ndarray
     pools: List[PoolResult]
     pool_step: np.ndarray
     pool_first_dp: np.ndarray
-    step_compute: np.ndarray = None  # [GA] compute seconds of each step's straggler worker
+    step_compute: np.ndarray = None
+    forward_seconds: np.ndarray = None
+    forward_compute: np.ndarray = None
+    phases: Dict[str, np.ndarray] = None
 
 
-def _straggler_compute(pools: List[PoolResult], pool_step: np.ndarray, num_steps: int) -> np.ndarray:
-    """[GA]: compute seconds of the slowest worker of every step (its exposed comm is the rest of the step).
-    Workers within 1e-9 (relative) of the step's maximum tie; the tie goes to the largest compute, so the
-    exposed share is never overstated."""
-    seconds = np.concatenate([p.seconds for p in pools])
-    compute = np.concatenate([p.compute_seconds for p in pools])
+def _straggler(pools: List[PoolResult], pool_step: np.ndarray, num_steps: int, seconds_of: str,
+               compute_of: str) -> Tuple[np.ndarray, np.ndarray]:
+    """([GA] max over every step's workers of ``PoolResult.<seconds_of>``, [GA] that slowest worker's
+    ``<compute_of>``; its exposed comm is the rest). Workers within 1e-9 (relative) of the step's maximum tie;
+    the tie goes to the largest compute, so the exposed share is never overstated."""
+    seconds = np.concatenate([getattr(p, seconds_of) for p in pools])
+    compute = np.concatenate([getattr(p, compute_of) for p in pools])
     step = np.repeat(pool_step, [p.seconds.size for p in pools])
     top = np.zeros(num_steps)
     np.maximum.at(top, step, seconds)
     out = np.zeros(num_steps)
     tied = seconds >= top[step] * (1.0 - 1e-9)
     np.maximum.at(out, step[tied], compute[tied])
-    return out
+    return top, out
+
+
+def _straggler_compute(pools: List[PoolResult], pool_step: np.ndarray, num_steps: int) -> np.ndarray:
+    """[GA]: compute seconds of the slowest worker of every step, forward-only Pipeliner figures."""
+    return _straggler(pools, pool_step, num_steps, "seconds", "compute_seconds")[1]
 
 
 def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size: int,
@@ -116,16 +134,22 @@ def _run_order(ev: PoolEvaluator, ids: np.ndarray, order: np.ndarray, pool_size:
     cp = spec.context_parallel_size
     pools = [ev.evaluate(ids[order[k * pool_size:(k + 1) * pool_size]], knobs, method, int(first_dp[k]) * cp)
              for k in range(num_pools)]
-    step_seconds = np.zeros(spec.num_steps)
-    np.maximum.at(step_seconds, step, [float(p.seconds.max()) for p in pools])
-    return _OrderRun(step_seconds, pools, step, first_dp, _straggler_compute(pools, step, spec.num_steps))
+    ga = spec.num_steps
+    fwd_s, fwd_c = _straggler(pools, step, ga, "seconds", "compute_seconds")
+    phases = {}
+    for phase, prefix in (("forward", "fwd"), ("backward", "bwd")):
+        phases[f"{phase}_seconds"], phases[f"{phase}_compute"] = _straggler(
+            pools, step, ga, f"{prefix}_seconds", f"{prefix}_compute_seconds")
+    return _OrderRun(phases["forward_seconds"] + phases["backward_seconds"], pools, step, first_dp,
+                     phases["forward_compute"] + phases["backward_compute"], fwd_s, fwd_c, phases)
 
 
 def _step_workers(run: _OrderRun, step: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(compute, exposed comm) per worker of one step, pools in DP-rank order."""
+    """(compute, exposed comm) per worker of one step, the whole layer (forward + backward), pools in DP-rank
+    order."""
     chosen = sorted(np.flatnonzero(run.pool_step == step).tolist(), key=lambda k: run.pool_first_dp[k])
-    compute = np.concatenate([run.pools[k].compute_seconds for k in chosen])
-    total = np.concatenate([run.pools[k].seconds for k in chosen])
+    compute = np.concatenate([run.pools[k].fwd_compute_seconds + run.pools[k].bwd_compute_seconds for k in chosen])
+    total = np.concatenate([run.pools[k].fwd_seconds + run.pools[k].bwd_seconds for k in chosen])
     return compute, total - compute
 
 
@@ -136,38 +160,53 @@ class _Window:
     index: int
     ids: np.ndarray  # corpus sequence ids, sampler order
     flops: np.ndarray  # their Eq. 4 workloads
-    ulysses_seq_seconds: np.ndarray  # (GBS,)
-    lower_bound_step: float
+    ulysses_seq_seconds: np.ndarray  # (GBS,) whole layer (forward + backward)
+    lower_bound_step: float  # whole layer: balanced forward + backward
+    ulysses_forward_seconds: np.ndarray = None  # (GBS,) forward only (the forward_* figures)
+    forward_lower_bound_step: float = 0.0  # balanced forward only
+
+
+def _ulysses_steps(pair_heads: np.ndarray, tokens: np.ndarray, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
+    """Per sequence (= per CP rank of its group): (whole layer, forward-only) Ulysses seconds."""
+    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    cp = spec.context_parallel_size
+    fwd, bwd = ulysses_layer_seconds(pair_heads, tokens, cp, heads, spec.cost)
+    return fwd + bwd, ulysses_worker_seconds(pair_heads, tokens, cp, heads, spec.cost)
 
 
 def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
-    gbs, cp = spec.global_batch_size, spec.context_parallel_size
+    gbs = spec.global_batch_size
     ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
-    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
-    uly = ulysses_worker_seconds(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), cp, heads, spec.cost)
-    return _Window(w, ids, corpus.flops[ids], uly, _lower_bound_step(corpus, ids, spec))
+    layer, forward = _ulysses_steps(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), spec)
+    return _Window(w, ids, corpus.flops[ids], layer, _lower_bound_step(corpus, ids, spec), forward,
+                   _lower_bound_step(corpus, ids, spec, forward_only=True))
 
 
-def _lower_bound_step(corpus: "_Corpus", ids: np.ndarray, spec: SimSpec) -> float:
-    """The window's attention work at peak rate spread perfectly over GA*DP*CP workers, no communication."""
+def _lower_bound_step(corpus: "_Corpus", ids: np.ndarray, spec: SimSpec, forward_only: bool = False) -> float:
+    """The window's attention work (forward + backward, or forward only) at peak rate spread perfectly over
+    GA*DP*CP workers, no communication."""
     workers = spec.num_steps * spec.data_parallel_size * spec.context_parallel_size
-    return spec.cost.balanced_seconds(corpus.pair_heads[ids].sum(), workers)
+    work = corpus.pair_heads[ids].sum()
+    return spec.cost.balanced_seconds(work, workers) if forward_only else spec.cost.balanced_layer_seconds(work, workers)
 
 
-def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> np.ndarray:
+def _wlb_steps(corpus: _Corpus, win: _Window, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
+    """(whole layer, forward only) step seconds of the WLB-LLM variant."""
     bins = wlb_repack([corpus.segments[i] for i in win.ids], spec.global_batch_size, spec.wlb_cap_factor * spec.seq_len)
     tokens = np.array([b.sum() for b in bins], dtype=np.float64)
-    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
-    secs = ulysses_worker_seconds(sequence_pair_heads(bins, spec.dims.num_q_heads), tokens,
-                                  spec.context_parallel_size, heads, spec.cost)
-    return secs.reshape(spec.num_steps, spec.data_parallel_size).max(axis=1)
+    layer, forward = _ulysses_steps(sequence_pair_heads(bins, spec.dims.num_q_heads), tokens, spec)
+    shape = (spec.num_steps, spec.data_parallel_size)
+    return layer.reshape(shape).max(axis=1), forward.reshape(shape).max(axis=1)
 
 
-def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
-    """(step seconds, straggler compute seconds) of the DistCA-scope variant."""
+def _distca_steps(ev: PoolEvaluator, win: _Window, knobs: PoolKnobs, spec: SimSpec) -> _OrderRun:
+    """The DistCA-scope variant's order run (one pool of P = DP per GA step, sampler order)."""
     order = np.arange(spec.global_batch_size, dtype=np.int64)
-    run = _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec)
-    return run.step_seconds, run.step_compute
+    return _run_order(ev, win.ids, order, spec.data_parallel_size, knobs, spec.tile_placement, spec)
+
+
+def _extend_steps(steps, run: _OrderRun) -> None:
+    steps.extend(run.step_seconds, run.step_compute, run.forward_seconds, run.forward_compute, run.phases)
 
 
 def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -> Dict[str, float]:
@@ -201,21 +240,26 @@ def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
     for variant, (order_name, method) in _VARIANT_PLAN.items():
         method = method or spec.tile_placement
         run = _run_order(ev, win.ids, orders[order_name], cand.pool_size, cand.knobs, method, spec)
-        cand.steps[variant].extend(run.step_seconds, run.step_compute)
+        _extend_steps(cand.steps[variant], run)
         if variant == "libra":
             _record_libra(cand, run, win, spec)
     cand.lower_bound.extend([win.lower_bound_step] * spec.num_steps)
+    cand.forward_lower_bound.extend([win.forward_lower_bound_step] * spec.num_steps)
     _record_sync(cand, ev, win, orders, spec)
 
 
 def _record_sync(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
-    """Score every order under the sync model (sim/sync.py), each with the candidate's tile placement."""
+    """Score every order under the sync model (sim/sync.py), each with the candidate's tile placement: the whole
+    layer (every pool's priced forward and backward), and the forward-only figures (Pipeliner forward, backward
+    = the layout's ``backward_ratio`` x forward, as before)."""
     layout = spec.sync_layout(cand.pool_size)
-    pools = {name: [p.seconds for p in _run_order(ev, win.ids, order, cand.pool_size, cand.knobs,
-                                                   spec.tile_placement, spec).pools]
-             for name, order in orders.items()}
-    timings = score_orders(pools, win.lower_bound_step, layout)
-    cand.sync.record(win.index, timings, timings["lower_bound"], win.flops, orders, layout)
+    runs = {name: _run_order(ev, win.ids, order, cand.pool_size, cand.knobs, spec.tile_placement, spec).pools
+            for name, order in orders.items()}
+    fwd_lb = win.forward_lower_bound_step
+    timings = score_orders({n: [p.fwd_seconds for p in r] for n, r in runs.items()}, fwd_lb, layout,
+                           {n: [p.bwd_seconds for p in r] for n, r in runs.items()}, win.lower_bound_step - fwd_lb)
+    forward = score_orders({n: [p.seconds for p in r] for n, r in runs.items()}, fwd_lb, layout)
+    cand.sync.record(win.index, timings, timings["lower_bound"], win.flops, orders, layout, forward)
 
 
 def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) -> None:
@@ -223,6 +267,8 @@ def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) 
     cand.bytes_qkvo.extend(p.bytes_qkvo for p in run.pools)
     cand.num_tiles.extend(p.num_tiles for p in run.pools)
     cand.num_fallback += sum(p.num_fallback for p in run.pools)
+    for p in run.pools:
+        cand.save_modes[p.save_mode] += 1
     step = int(np.argmax(run.step_seconds))
     if cand.worst is None or run.step_seconds[step] > _worst_seconds(cand.worst):
         compute, exposed = _step_workers(run, step)
@@ -240,11 +286,14 @@ def _make_candidates(spec: SimSpec) -> List[Candidate]:
 def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, result: SimResult) -> None:
     win = _window_data(corpus, w, spec)
     dp = spec.data_parallel_size
-    result.ulysses.seconds.extend(win.ulysses_seq_seconds.reshape(spec.num_steps, dp).max(axis=1).tolist())
-    result.wlb.seconds.extend(_wlb_steps(corpus, win, spec).tolist())
+    shape = (spec.num_steps, dp)
+    result.ulysses.extend(win.ulysses_seq_seconds.reshape(shape).max(axis=1),
+                          forward_seconds=win.ulysses_forward_seconds.reshape(shape).max(axis=1))
+    wlb_layer, wlb_forward = _wlb_steps(corpus, win, spec)
+    result.wlb.extend(wlb_layer, forward_seconds=wlb_forward)
     flops = corpus.flops[win.ids]
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
-    distca: Dict[PoolKnobs, Tuple[np.ndarray, np.ndarray]] = {}
+    distca: Dict[PoolKnobs, _OrderRun] = {}
     for p in spec.pool_sizes:
         orders = _orders(flops, p, spec)
         if spec.dump_orders:
@@ -257,7 +306,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
             if spec.distca and cand.knobs not in distca:
                 distca[cand.knobs] = _distca_steps(ev, win, cand.knobs, spec)
             if spec.distca:
-                cand.steps["distca"].extend(*distca[cand.knobs])
+                _extend_steps(cand.steps["distca"], distca[cand.knobs])
     ev.clear()
 
 
@@ -295,10 +344,16 @@ def _megatron_hybrid_cp(baseline: HybridCpBaseline, corpus: "_Corpus", num_windo
     ids = [np.arange(w * gbs, (w + 1) * gbs) for w in range(num_windows)]
     windows = [np.concatenate([corpus.segments[i] for i in win]).astype(int).tolist() for win in ids]
     lower = [_lower_bound_step(corpus, win, spec) * spec.num_steps for win in ids]
+    forward_lower = [_lower_bound_step(corpus, win, spec, forward_only=True) * spec.num_steps for win in ids]
     dims = HybridCpDims(spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
     return baseline.evaluate(windows, lower, spec.num_steps, dims, spec.cost,
                              spec.data_parallel_size * spec.context_parallel_size, spec.seq_len,
-                             spec.context_parallel_size)
+                             spec.context_parallel_size, forward_lower_bounds=forward_lower)
+
+
+def save_rule(spec: SimSpec, layout: TokenLayout) -> SaveRule:
+    """The run's save mode as ``sim.pools`` applies it per pool (auto: the planner's rule, the stage's layers)."""
+    return SaveRule(spec.save_mode, spec.activation_budget_gb, spec.layers_per_stage, layout.local_len)
 
 
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
@@ -317,7 +372,7 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
     num_windows = _num_windows(corpus.num_sequences, spec)
     layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
     ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
-                       spec.dims.elem_bytes, spec.cost)
+                       spec.dims.elem_bytes, spec.cost, save_rule(spec, layout))
     result = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), num_windows,
                        corpus.num_sequences, corpus.num_documents)
     _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)

@@ -9,12 +9,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..config import KvFetch, LibraConfig, PackingMode, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind
+from ..config import (KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy,
+                      TokenLayoutKind)
 from ..plan.model import StepTimeModel
 from ..plan.packing import num_packed_upper_bound, packing_memory_bytes
 from ..plan.sequences import SyncLayout
 
-__all__ = ["ModelDims", "SimSpec", "check_run_cost", "check_jobs", "MODEL_PRESETS", "DTYPE_BYTES", "MIN_SEQ_LEN",
+__all__ = ["ModelDims", "SimSpec", "check_run_cost", "check_jobs", "MODEL_PRESETS", "MODEL_LAYERS", "DTYPE_BYTES",
+           "MIN_SEQ_LEN",
            "MAX_TILES_PER_POOL", "VARIANTS"]
 
 MODEL_PRESETS: Dict[str, Tuple[int, int, int]] = {  # (hq, hkv, head_dim), bf16
@@ -22,6 +24,7 @@ MODEL_PRESETS: Dict[str, Tuple[int, int, int]] = {  # (hq, hkv, head_dim), bf16
     "qwen3-30b-a3b": (32, 4, 128),
     "qwen3-235b-a22b": (64, 4, 128),
 }
+MODEL_LAYERS: Dict[str, int] = {"qwen3-8b": 36, "qwen3-30b-a3b": 48, "qwen3-235b-a22b": 94}  # num_hidden_layers
 DTYPE_BYTES: Dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 MIN_SEQ_LEN = 64  # tokens per packed sequence: below it nothing is long-context, and tiny L only multiplies sequences
 MAX_TILES_PER_POOL = 1 << 20  # SH-Tiles of one pool instance: 64x the 1M-token P=16 H=4 B=4096 case
@@ -69,27 +72,38 @@ class SimSpec:
     wlb_cap_factor: float = 1.25
     distca: bool = True
     memory_limit_gib: float = 2.0  # packing is refused when ``packing_memory_bytes`` estimates more
-    # the synchronisation model (sim/sync.py): --pp, --vpp, --tp, --ep, --etp, --backward-ratio, --other-seconds
+    # the synchronisation model (sim/sync.py): --pp, --vpp, --tp, --ep, --etp, --other-seconds
     pipeline_parallel_size: int = 1
     virtual_pipeline_size: int = 1
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
-    backward_ratio: float = 2.0
     other_seconds: float = 0.0
     dump_orders: bool = False  # keep every window's placed order for --dump-orders
+    # the backward as the runtime runs it: --save-mode, --activation-budget-gb, --num-layers (auto's budget)
+    save_mode: SaveModeName = LibraConfig.save_mode
+    activation_budget_gb: float = LibraConfig.activation_budget_gb
+    num_layers: int = 1
+    libra_config: Optional[str] = None  # --libra-config FILE the knobs' defaults came from (reported only)
 
     @property
     def num_steps(self) -> int:
         """GA steps per window: GBS / DP."""
         return self.global_batch_size // self.data_parallel_size
 
+    @property
+    def layers_per_stage(self) -> int:
+        """Transformer layers of one pipeline stage: ceil(num_layers / PP) (the planner's count for save_mode auto)."""
+        return -(-self.num_layers // self.pipeline_parallel_size)
+
     def sync_layout(self, pool_size: int) -> SyncLayout:
-        """The step's synchronisation layout at pool size ``pool_size`` (ValueError names the flag)."""
+        """The step's synchronisation layout at pool size ``pool_size`` (ValueError names the flag). Its
+        ``backward_ratio`` keeps SyncLayout's default, as the runtime's sampler does: the sync placement's F
+        proxies use it; the simulator's scores pass every pool's priced backward instead."""
         return SyncLayout(self.data_parallel_size, pool_size, self.num_steps, self.pipeline_parallel_size,
                           self.virtual_pipeline_size, self.tensor_parallel_size, self.context_parallel_size,
-                          self.expert_parallel_size, self.expert_tensor_parallel_size, self.backward_ratio,
-                          self.other_seconds)
+                          self.expert_parallel_size, self.expert_tensor_parallel_size,
+                          other_seconds=self.other_seconds)
 
     def validate(self) -> "SimSpec":
         _validate_spec(self)
@@ -182,6 +196,9 @@ def _validate_spec(spec: SimSpec) -> None:
     _finite(spec.memory_limit_gib, "--memory-limit-gib", "> 0", lambda v: v > 0)
     if spec.max_windows is not None:
         _positive(spec.max_windows, "--max-windows")
+    _positive(spec.num_layers, "--num-layers")
+    _finite(spec.activation_budget_gb, "--activation-budget-gb", ">= 0", lambda v: v >= 0)
+    SaveModeName(spec.save_mode)
     if spec.cost.head_dim != spec.dims.head_dim:
         raise ValueError(f"SimSpec.cost.head_dim {spec.cost.head_dim} must equal --head-dim {spec.dims.head_dim}")
 

@@ -5,7 +5,7 @@ lanes_and_microbatches.png, for the recommended candidate:
          pool seconds stacked (what the lane's pipeline runs), sampler order / Alg. 1 / ours side by side; the
          step waits for the tallest stack (at PP > 1 plus the lane's bubble)
   right  every microbatch of every lane and window, its pool seconds over ours' mean of that window (Fig. 12:
-         per-microbatch forward time normalised by Libra's per-iteration mean), sampler order vs ours
+         per-microbatch forward + backward time normalised by Libra's per-iteration mean), sampler order vs ours
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _stacked_lanes(ax, view) -> None:
         for xi, total in zip(x, bottom):
             ax.text(xi, total, _LABELS[name].split()[0], ha="center", va="bottom", fontsize=6, rotation=90)
     ax.set(xticks=np.arange(num_lanes), xticklabels=[f"lane {j}" for j in range(num_lanes)],
-           ylabel="ms per attention layer (fwd), stacked over GA microbatches",
+           ylabel="ms per attention layer (fwd + bwd), stacked over GA microbatches",
            title=f"window {view.window}: each bar = one lane's microbatches (colour = GA step)")
     ax.margins(y=0.12)
 

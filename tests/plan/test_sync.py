@@ -80,12 +80,51 @@ def test_pp1_step_is_the_heaviest_lane_total_pools_wait_for_their_slowest_worker
     assert timing.bubble_fraction.tolist() == [0.0, 0.0]
 
 
+def test_pp1_step_takes_the_given_backward_seconds_not_the_ratio():
+    layout = SyncLayout(4, 2, 2)  # lanes {0,1}, {2,3}; GA=2; CP=1
+    fwd = np.array([[1.0, 2.0, 3.0, 1.0], [5.0, 1.0, 1.0, 1.0]])
+    bwd = np.array([[4.0, 1.0, 1.0, 2.0], [1.0, 1.0, 9.0, 1.0]])
+    timing = step_timing(fwd, layout, bwd)
+    # lane 0: forward max(1,2) + max(5,1) = 7, backward max(4,1) + max(1,1) = 5; lane 1: 3 + 1, max(1,2) + max(9,1)
+    assert timing.lane_seconds.tolist() == [12.0, 15.0]
+    assert timing.seconds == 15.0  # the ratio fallback would give 3 * 7 = 21
+    assert timing.microbatch_backward_seconds.tolist() == [[4.0, 2.0], [1.0, 9.0]]
+    assert step_timing(fwd, layout).seconds == 21.0
+
+
+def test_1f1b_two_stages_takes_the_given_backward_seconds():
+    # F = 1, 3 and B = 5, 1 per stage. stage 0: F0 F1 B0 B1, stage 1: F0 B0 F1 B1.
+    # s0 F0 0-1, s1 F0 1-2, s1 B0 2-7, s0 F1 1-4, s1 F1 7-10, s0 B0 7-12, s1 B1 10-11, s0 B1 12-13
+    layout = SyncLayout(1, 1, 2, pipeline_parallel_size=2)
+    timing = pool_step_timing(np.array([[1.0], [3.0]]), layout, np.array([[5.0], [1.0]]))
+    assert timing.lane_seconds.tolist() == [13.0]  # with B = 2F: 19 (test above)
+    assert timing.bubble_fraction == pytest.approx([1 - 10 / 13])
+
+
+def test_interleaved_two_stages_two_chunks_takes_the_given_backward_seconds():
+    # PP=2, VPP=2, m=2; per virtual stage F = 2/2 = 1 for both microbatches, B = 4/2 = 2 (g0) and 8/2 = 4 (g1).
+    # v = c*PP + s. stage 0: F00 F10 F01 F11 B01 B11 B00 B10; stage 1: F00 F10 F01 B01 F11 B11 B00 B10 (Fgc, Bgc).
+    # s0 F00 0-1 F10 1-2 | s1 F00 1-2 F10 2-3 | s0 F01 2-3 F11 3-4 | s1 F01 3-4 B01 4-6 F11 6-7 B11 7-11 |
+    # s0 B01 6-8 B11 11-15 | s1 B00 11-13 B10 15-19 | s0 B00 15-17 B10 19-23
+    layout = SyncLayout(1, 1, 2, pipeline_parallel_size=2, virtual_pipeline_size=2)
+    timing = pool_step_timing(np.array([[2.0], [2.0]]), layout, np.array([[4.0], [8.0]]))
+    assert timing.lane_seconds.tolist() == [23.0]
+    assert timing.bubble_fraction == pytest.approx([1 - 16 / 23])  # each stage busy 4 x 1 + 2 + 4 + 2 + 4
+
+
+def test_backward_seconds_must_have_the_forward_shape():
+    with pytest.raises(ValueError, match=r"backward_seconds must have the forward seconds' shape \[2, 4\]"):
+        step_timing(np.zeros((2, 4)), SyncLayout(4, 2, 2), np.zeros((2, 3)))
+
+
 def test_an_ep_group_across_lanes_ties_them_every_microbatch():
     # TP=CP=1, EP=4: one EP group over all four replicas, so both lanes wait for each other every layer
     layout = SyncLayout(4, 2, 2, expert_parallel_size=4)
     assert layout.lane_ties().tolist() == [0, 0] and layout.ep_ties_lanes
     workers = np.array([[1.0, 2.0, 3.0, 1.0], [5.0, 1.0, 1.0, 1.0]])
     assert step_timing(workers, layout).seconds == 3.0 * (3.0 + 5.0)  # per-instance maxima, summed
+    back = np.array([[1.0, 1.0, 1.0, 7.0], [2.0, 1.0, 1.0, 1.0]])
+    assert step_timing(workers, layout, back).seconds == (3.0 + 5.0) + (7.0 + 2.0)  # backward tied the same way
 
 
 def test_cp_workers_of_a_replica_belong_to_its_pool():

@@ -9,7 +9,7 @@ import pytest
 
 from libra_megatron.sim.__main__ import run
 from libra_megatron.plan.model import StepTimeModel
-from libra_megatron.sim.hybrid_cp import HybridCpDims, price_schedule, ring_document_seconds
+from libra_megatron.sim.hybrid_cp import HybridCpDims, price_schedule, ring_document_seconds, ring_layer_seconds
 
 COST = StepTimeModel(head_dim=8, attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=5e-4, gpus_per_node=2,
                      kv_relay=True)
@@ -35,6 +35,32 @@ def test_ring_document_by_hand_compute_bound_and_comm_bound():
     assert compute == pytest.approx(c4)
     assert seconds == pytest.approx(c4 / 4 + 3 * max(c4 / 4, x4))
     assert seconds > compute  # the small document is comm-bound here: exposed comm shows
+
+
+def test_ring_layer_forward_and_backward_by_hand():
+    """Whole layer (TE's P2P ring): forward c + (cp-1) max(c, x), backward c_b + (cp-1) max(c_b, x_b) + x with
+    c_b = 2.5 c, x_b carrying K|V and dK|dV (twice the bytes), alpha (message latency) per ring step, a kernel
+    launch per step."""
+    launch, us = COST.kernel_launch_us * 1e-6, 1e-6
+    f, fc, b, bc = ring_layer_seconds(10, [0], DIMS, COST)  # one GPU: compute only
+    assert (f, fc) == pytest.approx((_compute(10, 1) + launch,) * 2)
+    assert (b, bc) == pytest.approx((2.5 * _compute(10, 1) + launch,) * 2)
+    # two GPUs on one node, comm-bound: x = 2 us + 32 tokens * 2 kv heads * 8 * 2 bytes * 2 (K, V) / 1e6 B/s
+    c = _compute(64, 2) / 2 + launch
+    cb = 2.5 * _compute(64, 2) / 2 + launch
+    x = COST.intra_message_us * us + 32 * 2 * 2 * 8 * 2 / 1e6
+    xb = COST.intra_message_us * us + 2 * 32 * 2 * 2 * 8 * 2 / 1e6
+    f, fc, b, bc = ring_layer_seconds(64, [0, 1], DIMS, COST)
+    assert (f, fc) == pytest.approx((c + max(c, x), 2 * c))
+    assert (b, bc) == pytest.approx((cb + max(cb, xb) + x, 2 * cb))
+    # four GPUs over two nodes: the inter-node latency and link pace every step
+    slow = dataclasses.replace(COST, inter_node_gbps=5e-6)
+    c4, cb4 = _compute(64, 4) / 4 + launch, 2.5 * _compute(64, 4) / 4 + launch
+    x4 = COST.inter_message_us * us + 16 * 2 * 2 * 8 * 2 / 5e3
+    xb4 = COST.inter_message_us * us + 2 * 16 * 2 * 2 * 8 * 2 / 5e3
+    f, fc, b, bc = ring_layer_seconds(64, [0, 1, 2, 3], DIMS, slow)
+    assert f == pytest.approx(c4 + 3 * max(c4, x4)) and b == pytest.approx(cb4 + 3 * max(cb4, xb4) + x4)
+    assert b - bc > f - fc > 0  # the backward's exposed ring (twice the bytes, one hop more) exceeds the forward's
 
 
 def test_schedule_sums_groups_of_their_slowest_gpu():
@@ -83,12 +109,21 @@ def test_simulator_reports_the_baseline_against_the_same_lower_bound(tmp_path, m
     meg = report["baselines"]["megatron_hybrid_cp"]
     windows = seen["windows"]
     assert all(sum(w) == 8 * 64 for w in windows)  # every token of the GBS window, as documents
+    # forward only (the forward_* keys): CP1 documents, compute only
     seconds = [max(sum(_compute(w[i], 1) for i in range(g, len(w), 8)) for g in range(8)) for w in windows]
     lower = [sum(_compute(n, 1) for n in w) / 8 for w in windows]  # GA steps of work over DP*CP = 8 GPUs
-    assert meg["straggler_vs_lower_bound"] == pytest.approx(sum(seconds) / sum(lower))
+    assert meg["forward_straggler_vs_lower_bound"] == pytest.approx(sum(seconds) / sum(lower))
+    assert meg["forward_mean_step_seconds"] == pytest.approx(np.mean(seconds) / 2)  # GA = 2
+    # whole layer: forward + backward (2.5 x the FLOPs), a kernel launch in each; the bound is forward + backward
+    launch = COST.kernel_launch_us * 1e-6  # the run's flags keep the default launch cost
+    layer = [max(sum(3.5 * _compute(w[i], 1) + 2 * launch for i in range(g, len(w), 8)) for g in range(8))
+             for w in windows]
+    assert meg["straggler_vs_lower_bound"] == pytest.approx(sum(layer) / (3.5 * sum(lower)))
     assert report["megatron_hybrid_cp_straggler_vs_lower_bound"] == meg["straggler_vs_lower_bound"]
-    assert meg["mean_step_seconds"] == pytest.approx(np.mean(seconds) / 2)  # GA = 2
+    assert report["forward_megatron_hybrid_cp_straggler_vs_lower_bound"] == meg["forward_straggler_vs_lower_bound"]
+    assert meg["mean_step_seconds"] == pytest.approx(np.mean(layer) / 2)
     assert meg["exposed_comm_seconds"] == pytest.approx(0.0)  # CP1 documents move nothing
+    assert meg["forward_exposed_comm_seconds"] == pytest.approx(0.0)
 
 
 def test_max_seqlen_flag_needs_the_baseline_flag(tmp_path):

@@ -12,7 +12,11 @@ from libra_megatron.plan.tiles import build_tiles, place_tiles
 from libra_megatron.plan.traces import find_trace, load_trace
 from libra_megatron.sim.__main__ import build_parser, spec_from_args
 from libra_megatron.plan.model import StepTimeModel
-from libra_megatron.sim.pools import TrafficEdges, link_bytes, local_compute_seconds, pool_result, traffic_edges
+from libra_megatron.config import SaveModeName
+from libra_megatron.plan.exchange import plan_layer_timing
+from libra_megatron.plan.model import saved_bytes_per_rank
+from libra_megatron.sim.pools import (SaveRule, TrafficEdges, link_bytes, local_compute_seconds, pool_result,
+                                      traffic_edges)
 from libra_megatron.sim.runner import run_simulation
 
 
@@ -64,6 +68,25 @@ def test_pool_result_prices_the_plans_local_entries_first(linux_slice):
     assert np.allclose(hosted.sum(axis=0), placed.loads)
     assert (new.seconds <= old.seconds + 1e-12).all() and (new.seconds < old.seconds).any()
     assert np.array_equal(new.compute_seconds, old.compute_seconds)
+
+
+def test_pool_result_carries_the_whole_layer_of_its_plan_in_the_pools_save_mode(linux_slice):
+    """fwd/bwd arrays = ``plan_layer_timing`` of the pool's plan on its nodes; auto resolves per pool with the
+    planner's rule (arranged bytes x layers against the budget)."""
+    seqs = pack_documents(linux_slice, 16384, "megatron", 7)[:4]
+    tiles = build_tiles(seqs, TokenLayout("zigzag", 16384, 2), HeadLayout(32, 4, 128, 2, 4), 1024)
+    placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
+    cost = StepTimeModel(head_dim=128, gpus_per_node=4)
+    plan = build_exchange_plan(tiles, placed.assignment)
+    worst = int(saved_bytes_per_rank(plan, tiles.heads, 8192, SaveModeName.ARRANGED).max())
+    for budget, mode in ((worst * 3 / 2 ** 30, "arranged"), (worst * 2.9 / 2 ** 30, "refetch")):
+        got = pool_result(tiles, placed, cost, 4, SaveRule(SaveModeName.AUTO, budget, 3, 8192))
+        want = plan_layer_timing(plan, cost.at_gpu(4), mode)
+        assert got.save_mode == mode
+        for mine, theirs in ((got.fwd_seconds, want.forward.seconds), (got.fwd_compute_seconds, want.forward.compute),
+                             (got.bwd_seconds, want.backward.seconds), (got.bwd_compute_seconds, want.backward.compute)):
+            assert np.array_equal(mine, theirs)
+    assert (got.bwd_compute_seconds > got.fwd_compute_seconds).all()  # 2.5 x the FLOPs
 
 
 def test_pool_result_prices_a_relayed_plan_as_the_planner_does(linux_slice):

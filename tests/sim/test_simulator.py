@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from libra_megatron.config import SequencePlacement, TilePlacement
-from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange import build_exchange_plan, plan_layer_timing
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.exchange.local_entries import LOCAL, SPLIT, rank_entry_kinds
-from libra_megatron.plan.model import entry_pair_heads, pipeline_seconds
+from libra_megatron.plan.model import StepTimeModel, entry_pair_heads, pipeline_seconds
 from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.tiles import build_tiles, place_tiles
 from libra_megatron.plan.sequences import SyncLayout, place_sequences
@@ -26,7 +26,9 @@ FLAGS = ["--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2", "--pool-size
          "--intra-node-gbps", "1e-3", "--inter-node-gbps", "5e-4", "--no-progress",
          "--no-kv-relay"]  # the recomputation below prices direct fetches (the relay: tests/sim/test_pools.py)
 KEYS = {"pool_size", "head_split", "block_size", "num_tiles", "inter_pool_imbalance", "intra_pool_imbalance",
-        "straggler_vs_ulysses", "straggler_vs_lower_bound", "bytes_per_layer", "estimated_step_seconds", "baselines"}
+        "straggler_vs_ulysses", "straggler_vs_lower_bound", "bytes_per_layer", "estimated_step_seconds", "baselines",
+        "forward_straggler_vs_ulysses", "forward_straggler_vs_lower_bound", "forward_estimated_step_seconds",
+        "forward_compute_seconds", "forward_exposed_comm_seconds", "straggler_split", "save_mode_pools"}
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +82,20 @@ def _rank_local_share(plan, rank, heads):
     return early.sum() / load.sum() if load.sum() else 0.0
 
 
-def _reference_libra(P, H, B, local_first=True):
-    """Recompute steps, bytes and intra imbalance from plan/ records alone (sync VRSP, the default, + Alg. 2)."""
+MODEL = StepTimeModel(head_dim=8, attn_tflops=1e-6, intra_node_gbps=1e-3, inter_node_gbps=5e-4, gpus_per_node=2)
+
+
+def _reference_libra(P, H, B, local_first=True, layer=None):
+    """Recompute steps, bytes and intra imbalance from plan/ records alone (sync VRSP, the default, + Alg. 2).
+    Forward-only Pipeliner figures; with ``layer`` = [], also appends per step (forward straggler seconds, its
+    compute, backward straggler seconds, its compute) of ``plan_layer_timing`` (arranged: the run's auto mode
+    with a 16 GiB budget keeps everything of these tiny pools)."""
     layout, heads = TokenLayout("zigzag", 64, 2), HeadLayout(4, 2, 8, H, 2, 2)
     steps, byte_rows, intra, step_compute = [], [], [], []
     for seqs in _windows():
         flops = np.array([float((s.astype(float) ** 2).sum()) for s in seqs])
         order = place_sequences(flops, P, SequencePlacement.SYNC, SyncLayout(4, P, 2))  # DP=4, GA=2
-        step_max, straggler_compute, pool_workers = np.zeros(2), np.zeros(2), []
+        step_max, straggler_compute, pool_workers, pool_phases = np.zeros(2), np.zeros(2), [], []
         for k in range(8 // P):
             tiles = build_tiles([seqs[i] for i in order[k * P:(k + 1) * P]], layout, heads, B)
             placed = place_tiles(tiles, 0.03, TilePlacement.ALG2)
@@ -102,9 +110,19 @@ def _reference_libra(P, H, B, local_first=True):
                                        local_first)[0]
             step_max[k * P // 4] = max(step_max[k * P // 4], max(seconds))
             pool_workers.append((k * P // 4, np.array(seconds), compute))
+            if layer is not None:
+                timing = plan_layer_timing(plan, MODEL.at_gpu((k % (4 // P)) * P * 2), "arranged")
+                pool_phases.append((k * P // 4, timing))
         for step, seconds, compute in pool_workers:  # the straggler; ties (1e-9) go to the largest compute
             tied = seconds >= step_max[step] * (1 - 1e-9)
             straggler_compute[step] = max(straggler_compute[step], compute[tied].max(initial=0.0))
+        for step in range(2) if layer is not None else ():
+            row = []
+            for phase in ("forward", "backward"):
+                sec = np.concatenate([getattr(t, phase).seconds for g, t in pool_phases if g == step])
+                comp = np.concatenate([getattr(t, phase).compute for g, t in pool_phases if g == step])
+                row += [sec.max(), comp[sec >= sec.max() * (1 - 1e-9)].max()]
+            layer.append(row)
         steps.extend(step_max.tolist())
         step_compute.extend(straggler_compute.tolist())
     return np.array(steps), np.mean(byte_rows, axis=0), float(np.mean(intra)), np.array(step_compute)
@@ -139,7 +157,10 @@ def test_inter_pool_imbalance_matches_hand_computation(report):
         assert cand["inter_pool_imbalance"]["lower_bound"] <= cand["inter_pool_imbalance"]["placed"] + 1e-12
 
 
-def _ulysses_steps():
+def _ulysses_steps(layer=False):
+    """Ulysses step seconds by hand: forward only (no latencies, the forward_* figures) or the whole layer:
+    forward + backward compute (2.5 x the FLOPs), a kernel launch each, and per phase four all-to-alls (Q, K, V
+    | O forward, dO | dQ, dK, dV backward) of 15 us + the peer's 2 us + bytes / bandwidth."""
     steps = []
     for seqs in _windows():
         per_seq = []
@@ -147,7 +168,12 @@ def _ulysses_steps():
             pairs = float((s * (s + 1) // 2).sum()) * 4  # hq = 4
             compute = pairs / 2 * 4 * 8 / 1e6  # CP 2, 4*d FLOPs per pair-head, 1 MFLOP/s
             a2a = 32 * (2 * 4 + 2 * 2) * 8 * 2 / 2  # 32 local tokens, half go to the CP peer (same node)
-            per_seq.append(compute + a2a / 1e6)
+            if layer:
+                calls = 4 * (MODEL.collective_us + MODEL.intra_message_us) * 1e-6
+                launch = MODEL.kernel_launch_us * 1e-6
+                per_seq.append(3.5 * compute + 2 * launch + 2 * (a2a / 1e6 + calls))
+            else:
+                per_seq.append(compute + a2a / 1e6)
         steps.extend(np.array(per_seq).reshape(2, 4).max(axis=1).tolist())
     return np.array(steps)
 
@@ -155,17 +181,33 @@ def _ulysses_steps():
 @pytest.mark.parametrize("P, H, B", [(2, 1, 8), (4, 2, 16), (4, 1, 8)])
 def test_candidate_matches_independent_plan_recomputation(report, P, H, B):
     cand = next(c for c in report["candidates"] if (c["pool_size"], c["head_split"], c["block_size"]) == (P, H, B))
-    steps, byte_mean, intra, step_compute = _reference_libra(P, H, B)
+    layer = []
+    steps, byte_mean, intra, step_compute = _reference_libra(P, H, B, layer=layer)
     uly = _ulysses_steps()
-    assert np.isclose(report["baselines"]["ulysses"]["mean_step_seconds"], uly.mean())
+    assert np.isclose(report["baselines"]["ulysses"]["forward_mean_step_seconds"], uly.mean())
     assert np.allclose([cand["bytes_per_layer"][k] for k in "q kv o".split()], byte_mean)
     assert np.isclose(cand["intra_pool_imbalance"], intra)
-    assert np.isclose(cand["estimated_step_seconds"], steps.mean())
-    assert np.isclose(cand["straggler_vs_ulysses"], steps.sum() / uly.sum())
+    # forward only (the Pipeliner timeline, each worker alone): the forward_* keys
+    assert np.isclose(cand["forward_estimated_step_seconds"], steps.mean())
+    assert np.isclose(cand["forward_straggler_vs_ulysses"], steps.sum() / uly.sum())
     # the step splits into the straggler's compute and its exposed communication, mean per step
-    assert np.isclose(cand["compute_seconds"], step_compute.mean())
-    assert np.isclose(cand["exposed_comm_seconds"], (steps - step_compute).mean())
-    assert cand["exposed_comm_seconds"] > 0  # the synthetic link rates make communication visible
+    assert np.isclose(cand["forward_compute_seconds"], step_compute.mean())
+    assert np.isclose(cand["forward_exposed_comm_seconds"], (steps - step_compute).mean())
+    assert cand["forward_exposed_comm_seconds"] > 0  # the synthetic link rates make communication visible
+    # the whole layer: max over the step's workers of the forward + max of the backward (plan_layer_timing)
+    f_s, f_c, b_s, b_c = np.array(layer).T
+    uly_layer = _ulysses_steps(layer=True)
+    assert np.isclose(report["baselines"]["ulysses"]["mean_step_seconds"], uly_layer.mean())
+    assert np.isclose(cand["estimated_step_seconds"], (f_s + b_s).mean())
+    assert np.isclose(cand["straggler_vs_ulysses"], (f_s + b_s).sum() / uly_layer.sum())
+    assert np.isclose(cand["compute_seconds"], (f_c + b_c).mean())
+    assert np.isclose(cand["exposed_comm_seconds"], (f_s + b_s - f_c - b_c).mean())
+    split = cand["straggler_split"]
+    for phase, sec, comp in (("forward", f_s, f_c), ("backward", b_s, b_c)):
+        assert np.isclose(split[phase]["seconds"], sec.mean())
+        assert np.isclose(split[phase]["compute_seconds"], comp.mean())
+        assert np.isclose(split[phase]["exposed_comm_seconds"], (sec - comp).mean())
+    assert cand["save_mode_pools"]["refetch"] == 0
 
 
 def test_no_local_first_prices_the_previous_schedule_from_the_same_plans(report, trace_path, tmp_path):
@@ -177,10 +219,10 @@ def test_no_local_first_prices_the_previous_schedule_from_the_same_plans(report,
     assert old["assumptions"]["cost"]["local_first"] is False and report["assumptions"]["cost"]["local_first"] is True
     steps, _, _, step_compute = _reference_libra(4, 2, 16, local_first=False)
     (cand,) = old["candidates"]
-    assert np.isclose(cand["estimated_step_seconds"], steps.mean())
-    assert np.isclose(cand["exposed_comm_seconds"], (steps - step_compute).mean())
+    assert np.isclose(cand["forward_estimated_step_seconds"], steps.mean())
+    assert np.isclose(cand["forward_exposed_comm_seconds"], (steps - step_compute).mean())
     new = next(c for c in report["candidates"] if (c["pool_size"], c["head_split"], c["block_size"]) == (4, 2, 16))
-    assert new["estimated_step_seconds"] <= cand["estimated_step_seconds"]
+    assert new["forward_estimated_step_seconds"] <= cand["forward_estimated_step_seconds"]
     assert new["bytes_per_layer"] == cand["bytes_per_layer"]  # the same plans, only the schedule differs
 
 
@@ -255,6 +297,7 @@ def test_flat_calibration_table_reproduces_the_constant_throughput_model(trace_p
     for a, b in zip(calibrated["candidates"], report["candidates"]):
         assert np.isclose(a["estimated_step_seconds"], b["estimated_step_seconds"])
         assert np.isclose(a["straggler_vs_lower_bound"], b["straggler_vs_lower_bound"])
+        assert np.isclose(a["forward_straggler_vs_lower_bound"], b["forward_straggler_vs_lower_bound"])
 
 
 def test_progress_bar_reaches_total_and_is_silent_when_disabled():

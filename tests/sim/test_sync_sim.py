@@ -40,20 +40,28 @@ def _report(trace_path, tmp_path, extra):
     return json.loads(out.read_text()), [json.loads(line) for line in dump.read_text().splitlines()]
 
 
-def _pool_seconds_by_window(trace_path, extra):
-    """Per window and order: every pool's per-worker seconds, from the simulator's own pool evaluator."""
+def _pool_seconds_by_window(trace_path, extra, kind="seconds"):
+    """Per window and order: every pool's per-worker seconds (``PoolResult.<kind>``: "seconds" = the forward-only
+    Pipeliner figure, "fwd_seconds" / "bwd_seconds" = the whole-layer event model's phases), from the simulator's
+    own pool evaluator, and the window's (forward-only, whole-layer) balanced bounds per worker."""
     spec = spec_from_args(build_parser().parse_args(["--trace", trace_path] + FLAGS + extra))
     corpus = R._pack_corpus(np.asarray(SYNTH), spec)
-    ev = R.PoolEvaluator(corpus.segments, R.TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size),
-                         4, 2, 2, spec.cost)
+    layout = R.TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
+    ev = R.PoolEvaluator(corpus.segments, layout, 4, 2, 2, spec.cost, R.save_rule(spec, layout))
     cand = R._make_candidates(spec)[0]
     out = []
     for w in range(R._num_windows(corpus.num_sequences, spec)):
         win = R._window_data(corpus, w, spec)
         orders = R._orders(win.flops, 2, spec)
-        out.append(({n: [p.seconds for p in R._run_order(ev, win.ids, o, 2, cand.knobs, spec.tile_placement, spec).pools]
-                     for n, o in orders.items()}, win.lower_bound_step))
+        out.append(({n: [getattr(p, kind) for p in R._run_order(ev, win.ids, o, 2, cand.knobs, spec.tile_placement,
+                                                                spec).pools]
+                     for n, o in orders.items()}, win.forward_lower_bound_step, win.lower_bound_step))
     return out
+
+
+def _lane_max(seconds):
+    """GA = 16/4 = 4, lanes = 4/2 = 2: pool k is lane k % 2; a pool waits for its slowest worker: [lane] totals."""
+    return [sum(seconds[k].max() for k in range(lane, len(seconds), 2)) for lane in range(2)]
 
 
 def test_pp1_sync_ratio_is_the_heaviest_lane_total_over_the_balanced_step(trace_path, tmp_path):
@@ -61,16 +69,24 @@ def test_pp1_sync_ratio_is_the_heaviest_lane_total_over_the_balanced_step(trace_
     cand = report["candidates"][0]
     assert "pipeline_bubble_fraction" not in cand  # PP=1: no pipeline
     steps = {"placed": [], "alg1": [], "contiguous": []}
-    bounds = []
-    for pools, lb in _pool_seconds_by_window(trace_path, []):
-        for name, seconds in pools.items():
-            # GA = 16/4 = 4, lanes = 4/2 = 2: pool k is lane k % 2; a pool waits for its slowest worker
-            lane_totals = [sum(seconds[k].max() for k in range(lane, len(seconds), 2)) for lane in range(2)]
-            steps[name].append(3.0 * max(lane_totals))  # forward + 2 x backward
-        bounds.append(3.0 * 4 * lb)
+    forward_steps = {"placed": [], "alg1": [], "contiguous": []}
+    bounds, forward_bounds = [], []
+    fwd, bwd = _pool_seconds_by_window(trace_path, [], "fwd_seconds"), _pool_seconds_by_window(trace_path, [], "bwd_seconds")
+    old = _pool_seconds_by_window(trace_path, [])
+    for (f, lb_f, lb), (b, _, _), (o, _, _) in zip(fwd, bwd, old):
+        for name in steps:
+            # whole layer: a pool waits for its slowest worker in the forward, and again in the backward
+            steps[name].append(max(x + y for x, y in zip(_lane_max(f[name]), _lane_max(b[name]))))
+            forward_steps[name].append(3.0 * max(_lane_max(o[name])))  # forward-only figures: forward + 2 x forward
+        bounds.append(4 * lb)  # GA = 4 steps of the balanced forward + backward (backward = 2.5 x forward)
+        forward_bounds.append(3.0 * 4 * lb_f)
+        assert lb == pytest.approx(3.5 * lb_f)
     for name, key in (("placed", ""), ("alg1", "_alg1"), ("contiguous", "_contiguous")):
         assert cand["sync_straggler_vs_lower_bound" + key] == pytest.approx(sum(steps[name]) / sum(bounds))
+        assert cand["forward_sync_straggler_vs_lower_bound" + key] == pytest.approx(
+            sum(forward_steps[name]) / sum(forward_bounds))
     assert cand["sync_straggler_vs_lower_bound"] <= cand["sync_straggler_vs_lower_bound_alg1"] * (1 + 1e-9)
+    assert cand["sync_step_seconds"]["lower_bound"] == pytest.approx(np.mean(bounds))
     assert report["assumptions"]["sync"]["pp"] == 1 and report["assumptions"]["sync"]["num_lanes"] == 2
 
 
@@ -106,7 +122,7 @@ def test_defaults_reproduce_todays_layout(trace_path):
     (["--pp", "2", "--vpp", "2", "--gbs", "12"], r"--vpp 2 .* 3 % 2 = 1"),
     (["--ep", "3"], r"--ep 3 x --etp 1 = 3 must divide the TP\*CP\*DP = 8 ranks"),
     (["--pp", "0"], r"--pp must be a positive integer"),
-    (["--backward-ratio", "-1"], r"--backward-ratio must be a finite number >= 0"),
+    (["--backward-ratio", "2"], r"--backward-ratio was removed: the sync model takes every pool's priced backward"),
 ])
 def test_bad_sync_flags_name_the_flag(trace_path, extra, match):
     with pytest.raises(ValueError, match=match):

@@ -140,9 +140,10 @@ def traffic_of_units(peer_units, heads: HeadLayout, relay_units=None) -> PlanTra
 
 
 def plan_worker_seconds(plan, model) -> np.ndarray:
-    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan: the Pipeliner
+    """float64 [W]: compute + exposed communication of every worker of an ExchangePlan's forward: the Pipeliner
     timeline over its local / remote loads (``hosted_pair_heads``) and its per-chunk link seconds
-    (``plan.exchange.traffic``, and its relay hop) -- what the simulator prices."""
+    (``plan.exchange.traffic``, and its relay hop), each worker priced alone -- what the placements search with
+    and the simulator's ``forward_*`` figures; the whole layer, peers coupled, is ``plan_layer_timing``."""
     traffic, nodes = plan_traffic(plan), model.nodes(plan.num_workers)
     dispatch, ret = traffic.phase_seconds(nodes, model)
     local, remote = (model.compute_seconds(x) for x in plan.hosted_pair_heads)

@@ -41,7 +41,7 @@ import numpy as np
 from .ops import Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
-__all__ = ["PhaseTiming", "price_ops", "kernel_op_seconds", "copy_op_seconds", "message_done_seconds",
+__all__ = ["PhaseTiming", "price_ops", "OpCosts", "kernel_op_seconds", "copy_op_seconds", "message_done_seconds",
            "exchange_link_seconds"]
 
 
@@ -60,19 +60,37 @@ class PhaseTiming:
         return self.seconds - self.compute
 
 
+class OpCosts:
+    """Seconds of a rank's kernel and copy ops under one model (module docstring), with the model's constants
+    read once (a pool's layer has tens of thousands of ops)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.per_pair = None if model.calibration is not None else float(model.compute_seconds(1.0))
+        self.launch, self.entry = model.kernel_launch_us * US, model.kernel_entry_us * US
+        self.copy_launch, self.copy_per_byte = model.copy_launch_us * US, 2.0 / (model.copy_gbps * GB)
+
+    def kernel(self, op: Kernel) -> float:
+        if op.entries == 0 or op.pairs == 0:
+            return 0.0
+        if self.per_pair is not None:
+            seconds = op.pairs * self.per_pair
+        else:
+            seconds = float(self.model.call_seconds(op.pairs, op.q_rows, op.heads))
+        if op.direction == "bwd":
+            seconds *= BACKWARD_FLOPS_FACTOR
+        return seconds + self.launch + op.entries * self.entry
+
+    def copy(self, op: Copy) -> float:
+        return 0.0 if op.nbytes == 0 else self.copy_launch + op.nbytes * self.copy_per_byte
+
+
 def kernel_op_seconds(op: Kernel, model) -> float:
-    if op.entries == 0 or op.pairs == 0:
-        return 0.0
-    seconds = float(model.call_seconds(op.pairs, op.q_rows, op.heads))
-    if op.direction == "bwd":
-        seconds *= BACKWARD_FLOPS_FACTOR
-    return seconds + (model.kernel_launch_us + op.entries * model.kernel_entry_us) * US
+    return OpCosts(model).kernel(op)
 
 
 def copy_op_seconds(op: Copy, model) -> float:
-    if op.nbytes == 0:
-        return 0.0
-    return model.copy_launch_us * US + 2.0 * op.nbytes / (model.copy_gbps * GB)
+    return OpCosts(model).copy(op)
 
 
 def _fair_sums(S: np.ndarray) -> np.ndarray:
@@ -148,6 +166,7 @@ class _Timeline:
     def __init__(self, ops_per_rank: Sequence[Sequence[object]], model, nodes: np.ndarray):
         self.ops = [list(o) for o in ops_per_rank]
         self.W, self.model, self.nodes = len(self.ops), model, nodes
+        self.costs = OpCosts(model)
         self.ptr = [0] * self.W
         self.t = [0.0] * self.W
         self.busy = [0.0] * self.W
@@ -160,25 +179,33 @@ class _Timeline:
 
     def advance(self, r: int) -> bool:
         """Run rank r's ops until a wait whose exchange has not ended; whether any op ran."""
-        ops, ran = self.ops[r], False
-        while self.ptr[r] < len(ops):
-            op = ops[self.ptr[r]]
-            if isinstance(op, Wait):
+        ops, start, i = self.ops[r], self.ptr[r], self.ptr[r]
+        t, busy, costs = self.t[r], self.busy[r], self.costs
+        while i < len(ops):
+            op = ops[i]
+            kind = type(op)
+            if kind is Copy:
+                cost = costs.copy(op)
+                t, busy = t + cost, busy + cost
+            elif kind is Kernel:
+                cost = costs.kernel(op)
+                t, busy = t + cost, busy + cost
+            elif kind is Wait:
                 end = self.ends.get((op.comm, op.seq))
                 if end is None:
                     break
-                self.t[r] = max(self.t[r], float(end[r]))
-            elif isinstance(op, Exchange):
-                key = (op.comm, op.seq)
-                self.pending.setdefault(key, _Collective(self.W)).add(r, self.t[r], op)
-                self.next_seq.setdefault(op.comm, 0)
+                t = max(t, float(end[r]))
+            elif kind is Exchange:
+                coll = self.pending.get((op.comm, op.seq))
+                if coll is None:
+                    coll = self.pending[(op.comm, op.seq)] = _Collective(self.W)
+                    self.next_seq.setdefault(op.comm, 0)
+                coll.add(r, t, op)
             else:
-                cost = kernel_op_seconds(op, self.model) if isinstance(op, Kernel) else copy_op_seconds(op, self.model)
-                self.t[r] += cost
-                self.busy[r] += cost
-            self.ptr[r] += 1
-            ran = True
-        return ran
+                raise ValueError(f"rank {r}: op {i} is not an op record of plan.model.ops: {op!r}")
+            i += 1
+        self.ptr[r], self.t[r], self.busy[r] = i, t, busy
+        return i > start
 
     def resolve_one(self) -> bool:
         """End the next exchange of the communicator whose next exchange every rank has issued earliest."""

@@ -16,22 +16,21 @@ coupled); the test records the runtime's real calls (``all_to_all_single``, ``Wo
     Copy      a gather / scatter on the device: ``op`` "gather" (index_select), "place" (index_put_) or "add"
               (index_add_), ``nbytes`` = bytes of the rows it moves (what it reads, at the source dtype)
 
+Records are named tuples (immutable, cheap to make: a pool's layer lists tens of thousands of them).
 ``tag`` and ``chunk`` say which tensor an op moves (q, kv, o, do, dq, dkv, q_bwd, kv_bwd, o_bwd) and for which
 Pipeliner chunk; they are for reading a timeline, and ``key`` leaves them out (a recorder of real calls cannot
 see them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import NamedTuple, Tuple, Union
 
 __all__ = ["Exchange", "Wait", "Kernel", "Copy", "Op", "POOL", "RELAY", "op_keys"]
 
 POOL, RELAY = "pool", "relay"
 
 
-@dataclass(frozen=True)
-class Exchange:
+class Exchange(NamedTuple):
     comm: str
     seq: int
     send: Tuple[int, ...]
@@ -43,8 +42,7 @@ class Exchange:
         return ("exchange", self.comm, self.seq, self.send, self.recv)
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     comm: str
     seq: int
     tag: str = ""
@@ -54,8 +52,7 @@ class Wait:
         return ("wait", self.comm, self.seq)
 
 
-@dataclass(frozen=True)
-class Kernel:
+class Kernel(NamedTuple):
     direction: str
     entries: int
     q_rows: int
@@ -70,8 +67,7 @@ class Kernel:
         return ("kernel", self.direction, self.entries, self.q_rows, self.k_rows, self.pairs, self.heads, self.causal)
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     op: str
     nbytes: int
     tag: str = ""

@@ -1,12 +1,14 @@
 """Synchronisation model of one optimizer step: who waits for whom, and the step time that follows.
 
-Pure Python + numpy. Input: per GA microbatch g and per worker w, the seconds of one attention layer
-(forward) of that worker, ``worker_seconds[g, w]`` with w = dp*CP + c (DP replica major, CP rank minor;
-``plan.sequences.assign_to_ranks``: pool instance k runs at GA step k*P // DP on the P consecutive DP
-replicas starting at (k mod DP/P)*P). Output: the step's seconds under these rules:
+Pure Python + numpy. Input: per GA microbatch g and per worker w, the seconds of one attention layer's
+forward of that worker, ``worker_seconds[g, w]``, and of its backward, ``backward_seconds[g, w]`` (same shape;
+the simulator passes each pool's priced backward, ``plan.exchange.plan_layer_timing``), with w = dp*CP + c (DP
+replica major, CP rank minor; ``plan.sequences.assign_to_ranks``: pool instance k runs at GA step k*P // DP on
+the P consecutive DP replicas starting at (k mod DP/P)*P). Output: the step's seconds under these rules:
 
-pool        The P*CP workers of a pool meet at every attention layer (the KV/tile exchange), so a pool's
-            time for a microbatch is the max over its workers. The P replicas forming a pool are the
+pool        The P*CP workers of a pool meet at every attention layer (the KV/tile exchange), forward and
+            backward, so a pool's forward (backward) time for a microbatch is the max over its workers of
+            their forward (backward) seconds. The P replicas forming a pool are the
             same at every GA step: they form a *lane* (``num_lanes = DP/P``).
 EP          An expert-parallel group meets at every MoE layer. Megatron places it by rank order
             (``tp-cp-ep-dp-pp``; experts use ``etp-ep-edp`` over the same ranks of a PP stage), so the
@@ -23,11 +25,13 @@ pipeline    Each (tied set of) lane(s) runs its GA microbatches through PP stage
 DP          Lanes meet once, at the step's gradient reduction, which is assumed fully overlapped with the
             backward (Megatron's --overlap-grad-reduce): the step ends when the slowest lane ends.
 
-Stage times: layers are split evenly over the PP*VPP virtual stages, so a microbatch's forward on one
-virtual stage is its per-layer attention seconds / VPP (the unit is "one attention layer per stage": every
-stage carries the same number of layers, and a common factor does not change any ratio). Backward =
-``backward_ratio`` x forward (default 2). Non-attention work is equal for every packed sequence (same
-token count) and is added as ``other_seconds`` per microbatch and stage (default 0: attention only).
+Stage times: layers are split evenly over the PP*VPP virtual stages, so a microbatch's forward (backward) on
+one virtual stage is its per-layer attention forward (backward) seconds / VPP (the unit is "one attention layer
+per stage": every stage carries the same number of layers, and a common factor does not change any ratio).
+Without a backward array (the sequence placement's F proxies, ``plan.sequences.lanes``), backward =
+``backward_ratio`` x forward (default 2). Non-attention work is equal for every packed sequence (same token
+count) and is added as ``other_seconds`` per microbatch and stage to the forward and ``backward_ratio`` x
+``other_seconds`` to the backward (default 0: attention only).
 """
 from __future__ import annotations
 
@@ -254,43 +258,75 @@ def _producer(backward: bool, g: int, v: int, num_virtual: int) -> Optional[Tupl
 class StepTiming:
     """One step under the model. ``lane_seconds`` [num_lanes]: when each lane finishes (tied lanes share it);
     ``seconds`` = their max (DP meets at the end); ``microbatch_seconds`` [GA, num_lanes]: the per-layer
-    forward time each lane's pool waits for (after EP ties); ``bubble_fraction`` [num_lanes] (0 at PP=1)."""
+    forward time each lane's pool waits for (after EP ties); ``bubble_fraction`` [num_lanes] (0 at PP=1);
+    ``microbatch_backward_seconds`` [GA, num_lanes]: the same for the backward (``backward_ratio`` x forward
+    when no backward was given)."""
 
     seconds: float
     lane_seconds: np.ndarray
     microbatch_seconds: np.ndarray
     bubble_fraction: np.ndarray
+    microbatch_backward_seconds: Optional[np.ndarray] = None
 
 
-def step_timing(worker_seconds, layout: SyncLayout) -> StepTiming:
-    """Step time of per-worker, per-microbatch seconds ``worker_seconds`` [GA, DP*CP] (module docstring)."""
+def _same_shape(backward, forward: np.ndarray, name: str) -> Optional[np.ndarray]:
+    """``backward`` as float64 of ``forward``'s shape (None stays None: the ``backward_ratio`` fallback)."""
+    if backward is None:
+        return None
+    out = np.asarray(backward, dtype=np.float64)
+    if out.shape != forward.shape:
+        raise ValueError(f"{name} must have the forward seconds' shape {list(forward.shape)}, got {list(out.shape)}")
+    return out
+
+
+def step_timing(worker_seconds, layout: SyncLayout, backward_seconds=None) -> StepTiming:
+    """Step time of per-worker, per-microbatch forward seconds ``worker_seconds`` [GA, DP*CP] and backward
+    seconds ``backward_seconds`` (same shape; None: ``backward_ratio`` x forward) (module docstring)."""
     times = np.asarray(worker_seconds, dtype=np.float64)
     ga, lanes = layout.num_microbatches, layout.num_lanes
     if times.shape != (ga, layout.data_parallel_size * layout.context_parallel_size):
         raise ValueError(f"worker_seconds must be [GA, DP*CP] = [{ga}, {layout.data_parallel_size}*"
                          f"{layout.context_parallel_size}], got {list(times.shape)}")
-    return pool_step_timing(times.reshape(ga, lanes, -1).max(axis=2), layout)  # a pool waits for its slowest worker
+    back = _same_shape(backward_seconds, times, "backward_seconds")
+    pool_back = None if back is None else back.reshape(ga, lanes, -1).max(axis=2)
+    # a pool waits for its slowest worker, forward and backward
+    return pool_step_timing(times.reshape(ga, lanes, -1).max(axis=2), layout, pool_back)
 
 
-def pool_step_timing(pool_seconds, layout: SyncLayout) -> StepTiming:
-    """Step time of per-pool seconds ``pool_seconds`` [GA, DP/P] (pool instance of lane j at GA step g)."""
+def pool_step_timing(pool_seconds, layout: SyncLayout, backward_seconds=None) -> StepTiming:
+    """Step time of per-pool forward seconds ``pool_seconds`` [GA, DP/P] (pool instance of lane j at GA step g)
+    and backward seconds ``backward_seconds`` (same shape; None: ``backward_ratio`` x forward)."""
     pools = np.asarray(pool_seconds, dtype=np.float64)
     if pools.shape != (layout.num_microbatches, layout.num_lanes):
         raise ValueError(f"pool_seconds must be [GA, DP/P] = [{layout.num_microbatches}, {layout.num_lanes}], "
                          f"got {list(pools.shape)}")
+    back = _same_shape(backward_seconds, pools, "backward_seconds")
+    if back is None:
+        back = pools * layout.backward_ratio
     ties = layout.lane_ties()
     tied = np.zeros((layout.num_microbatches, int(ties.max()) + 1))
+    tied_back = np.zeros_like(tied)
     np.maximum.at(tied.T, ties, pools.T)  # tied lanes advance at the max of their pools
-    run = run_lane_pipelines(tied, layout)
-    return StepTiming(float(run.makespan.max()), run.makespan[ties], tied[:, ties], run.bubble_fraction[ties])
+    np.maximum.at(tied_back.T, ties, back.T)
+    run = run_lane_pipelines(tied, layout, tied_back)
+    return StepTiming(float(run.makespan.max()), run.makespan[ties], tied[:, ties], run.bubble_fraction[ties],
+                      tied_back[:, ties])
 
 
-def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout) -> PipelineRun:
-    """Pipeline every column of [GA, lanes] per-layer forward seconds (uniform stages, ``other_seconds`` added)."""
+def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout, backward_seconds=None) -> PipelineRun:
+    """Pipeline every column of [GA, lanes] per-layer forward seconds and backward seconds ``backward_seconds``
+    (same shape; None: ``backward_ratio`` x forward): uniform stages, ``other_seconds`` added to the forward and
+    ``backward_ratio`` x ``other_seconds`` to the backward."""
     pp, vpp = layout.pipeline_parallel_size, layout.virtual_pipeline_size
-    fwd_stage = (microbatch_seconds + layout.other_seconds) / vpp  # [GA, lanes]
-    fwd = np.repeat(fwd_stage[:, None, :], pp * vpp, axis=1)  # [GA, PP*VPP, lanes]
+    fwd_layer = np.asarray(microbatch_seconds, dtype=np.float64)
+    bwd_layer = _same_shape(backward_seconds, fwd_layer, "backward_seconds")
+    if bwd_layer is None:
+        bwd_layer = fwd_layer * layout.backward_ratio
+    fwd_stage = (fwd_layer + layout.other_seconds) / vpp  # [GA, lanes]
+    bwd_stage = (bwd_layer + layout.backward_ratio * layout.other_seconds) / vpp
     if pp == 1:  # one stage: forward then backward of every microbatch, nothing waits
-        busy = (fwd.sum(axis=(0, 1)) * (1.0 + layout.backward_ratio))[None, :]
+        busy = ((fwd_stage.sum(axis=0) + bwd_stage.sum(axis=0)) * vpp)[None, :]
         return PipelineRun(busy[0], busy)
-    return pipeline_schedule(pp, vpp, layout.num_microbatches).run(fwd, fwd * layout.backward_ratio)
+    fwd = np.repeat(fwd_stage[:, None, :], pp * vpp, axis=1)  # [GA, PP*VPP, lanes]
+    bwd = np.repeat(bwd_stage[:, None, :], pp * vpp, axis=1)
+    return pipeline_schedule(pp, vpp, layout.num_microbatches).run(fwd, bwd)

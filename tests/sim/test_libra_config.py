@@ -1,0 +1,108 @@
+"""``--libra-config FILE``: the YAML's knobs are the simulator's defaults, flags override them, bad files name the
+file and key; ``--save-mode`` prices the backward in the mode the runtime would run (auto: the planner's rule)."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from libra_megatron.config import KvFetch, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy
+from libra_megatron.sim.__main__ import parse_args, run, spec_from_args
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SYNTH = np.concatenate([np.arange(1, 400) % 23 + 1, [150, 90, 64, 200, 33, 120]])
+LAYOUT = ["--seq-len", "262144", "--gbs", "128", "--dp", "32", "--cp", "8", "--model", "qwen3-30b-a3b"]
+TINY = ["--seq-len", "64", "--gbs", "8", "--dp", "4", "--cp", "2", "--num-heads", "4", "--num-kv-heads", "2",
+        "--head-dim", "8", "--gpus-per-node", "2", "--attn-tflops", "1e-6", "--intra-node-gbps", "1e-3",
+        "--inter-node-gbps", "5e-4", "--no-progress", "--no-distca", "--max-windows", "3"]
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "synthetic.txt"
+    path.write_text("\n".join(map(str, SYNTH)) + "\n")
+    return str(path)
+
+
+def _spec(argv):
+    return spec_from_args(parse_args(["--trace", "unused.txt"] + argv))
+
+
+def test_the_shipped_yaml_becomes_the_defaults():
+    spec = _spec(LAYOUT + ["--libra-config", str(REPO / "configs/libra/256k.yaml")])
+    assert (spec.pool_sizes, spec.head_splits, spec.block_sizes, spec.chunk_counts, spec.taus) == \
+        ((8,), (4,), (2048,), (4,), (0.03,))
+    assert spec.tile_placement is TilePlacement.DENSE and spec.sequence_placement is SequencePlacement.SYNC
+    assert spec.tilings == (TilingPolicy.ADAPTIVE,) and spec.kv_fetches == (KvFetch.PREFIX,)
+    assert spec.cost.kv_relay is True  # kv_relay: auto
+    assert spec.save_mode is SaveModeName.AUTO and spec.activation_budget_gb == 16.0  # LibraConfig's defaults
+    assert spec.num_layers == 48 and spec.libra_config.endswith("256k.yaml")
+    one_m = _spec(LAYOUT + ["--libra-config", str(REPO / "configs/libra/1m.yaml")])
+    assert (one_m.head_splits, one_m.block_sizes, one_m.taus) == ((2,), (4096,), (0.01,))
+
+
+def test_flags_override_the_yaml_and_keys_it_leaves_out_take_libra_config_defaults(tmp_path):
+    spec = _spec(LAYOUT + ["--libra-config", str(REPO / "configs/libra/256k.yaml"), "--head-split", "2",
+                           "--pool-size", "4", "8", "--tile-placement", "alg2", "--no-kv-relay", "--save-mode", "refetch"])
+    assert spec.head_splits == (2,) and spec.pool_sizes == (4, 8) and spec.tile_placement is TilePlacement.ALG2
+    assert spec.cost.kv_relay is False and spec.save_mode is SaveModeName.REFETCH
+    assert spec.block_sizes == (2048,) and spec.taus == (0.03,)  # the rest still from the file
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("libra:\n  pool_size: 4\n  save_mode: arranged\n")
+    spec = _spec(LAYOUT + ["--libra-config", str(partial)])
+    # what the runtime would run: LibraConfig's defaults for every key the file leaves out (relay off, H=1, alg2)
+    assert spec.pool_sizes == (4,) and spec.head_splits == (1,) and spec.cost.kv_relay is False
+    assert spec.tile_placement is TilePlacement.ALG2 and spec.save_mode is SaveModeName.ARRANGED
+    assert _spec(LAYOUT + ["--libra-config", str(partial), "--kv-relay", "auto"]).cost.kv_relay is True
+    assert _spec(LAYOUT).cost.kv_relay is True  # without a file: the simulator's own default (relay on)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("libra:\n  pool_sise: 8\n", r"bad\.yaml:2: unknown Libra key 'pool_sise' \(did you mean 'pool_size'\?\)"),
+    ("libra:\n  tau: -1\n", r"tau \(.*bad\.yaml:2\) must be a finite number >= 0, got -1"),
+    ("libra:\n  head_split: 3\n", r"head_split \(.*bad\.yaml:2\) 3 must divide num_attention_heads 32"),
+    ("libra:\n  pool_size: 3\n", r"pool_size \(.*bad\.yaml:2\) 3 must divide the data-parallel size 32"),
+    ("libra:\n  tile_placement: best\n", r"tile_placement \(.*bad\.yaml:2\) must be one of"),
+    ("libra: [\n", r"bad\.yaml:\d+:\d+: YAML syntax error"),
+])
+def test_a_bad_yaml_names_the_file_and_the_key(tmp_path, text, match):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        _spec(LAYOUT + ["--libra-config", str(bad)])
+
+
+def test_an_overridden_yaml_value_is_checked_under_its_flag(tmp_path):
+    bad = tmp_path / "h3.yaml"
+    bad.write_text("libra:\n  head_split: 3\n")
+    spec = _spec(LAYOUT + ["--libra-config", str(bad), "--head-split", "4"])  # the flag wins: no error
+    assert spec.head_splits == (4,)
+    with pytest.raises(ValueError, match=r"--libra-config nope\.yaml"):
+        _spec(LAYOUT + ["--libra-config", "nope.yaml"])
+
+
+def test_end_to_end_with_a_yaml_and_the_save_modes(trace_path, tmp_path):
+    """The same tiny run from a YAML and from the flags is the same report; refetch re-sends Q, K|V and O in the
+    backward, so its backward is never faster; auto with a zero budget picks refetch on every pool."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("libra:\n  pool_size: 2\n  head_split: 2\n  block_size: 8\n  num_chunks: 2\n  kv_relay: auto\n"
+                   "  save_mode: arranged\n")
+    reports = {}
+    for name, extra in (("yaml", ["--libra-config", str(cfg)]),
+                        ("flags", ["--pool-size", "2", "--head-split", "2", "--block-size", "8", "--num-chunks", "2",
+                                   "--save-mode", "arranged"]),
+                        ("refetch", ["--libra-config", str(cfg), "--save-mode", "refetch"]),
+                        ("auto0", ["--libra-config", str(cfg), "--save-mode", "auto", "--activation-budget-gb", "0"])):
+        out = tmp_path / f"{name}.json"
+        assert run(["--trace", trace_path, "--json", str(out)] + TINY + extra) == 0
+        reports[name] = json.loads(out.read_text())
+        reports[name].pop("runtime_seconds")
+    (yaml_c,), (flag_c,) = reports["yaml"]["candidates"], reports["flags"]["candidates"]
+    assert yaml_c == flag_c
+    assert reports["yaml"]["assumptions"]["libra_config"] == str(cfg)
+    (arr,), (ref,), (auto,) = (reports[k]["candidates"] for k in ("yaml", "refetch", "auto0"))
+    assert arr["save_mode_pools"]["refetch"] == 0 and ref["save_mode_pools"]["arranged"] == 0
+    assert auto == ref  # every pool over a zero budget: refetch
+    assert ref["straggler_split"]["backward"]["seconds"] >= arr["straggler_split"]["backward"]["seconds"]
+    assert ref["straggler_split"]["forward"] == arr["straggler_split"]["forward"]  # the forward does not change
+    assert ref["forward_straggler_vs_lower_bound"] == arr["forward_straggler_vs_lower_bound"]
