@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): eight independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): nine independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -22,6 +22,8 @@ section runs. Sections:
                tiles Alg. 2 moves; errors against the exact backend in fp64, at each kernel call the exchanges
                in flight and those already placed that still hold their receive buffer (must be 0), and
                the wall time of the pipelined call next to its hosted kernels alone (overlap)
+  step_model   the whole-layer time model on one GPU (issue 23, ``step_model_gpu.py``): kernel and copy rates
+               fitted with CUDA events, a world-1 real-trace pool's predicted forward / backward vs measured
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -53,6 +55,7 @@ from libra_megatron.plan.tiles import build_tiles  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_flash, varlen_attn_func  # noqa: E402
+from step_model_gpu import section_step_model  # noqa: E402  (benchmarks/gpu/, this file's folder)
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
@@ -509,7 +512,7 @@ def section_exchange(ctx: Ctx) -> dict:
 
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
             "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
-            "tables": section_tables, "exchange": section_exchange}
+            "tables": section_tables, "exchange": section_exchange, "step_model": section_step_model}
 
 
 def _summary(results: dict) -> str:

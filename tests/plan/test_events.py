@@ -164,3 +164,12 @@ def test_layer_timing_of_a_plan_is_never_below_its_compute_and_refetch_costs_mor
     assert np.allclose(refetch.forward.seconds, arranged.forward.seconds)
     slower = dataclasses.replace(model, inter_node_gbps=model.inter_node_gbps / 10)
     assert plan_layer_timing(plan, slower).seconds.max() > arranged.seconds.max()
+
+
+def test_the_backward_kernel_can_run_at_its_own_rate_and_costs():
+    m = _model(attn_bwd_tflops=2e-6, bwd_kernel_launch_us=7.0, bwd_kernel_entry_us=1.0, kernel_launch_us=5.0)
+    t = price_ops([[Kernel("bwd", 3, 10, 10, 100, 1)], [Kernel("fwd", 3, 10, 10, 100, 1)]], m)
+    assert np.isclose(t.seconds[0], 2 * 100 * US * BACKWARD_FLOPS_FACTOR + 7 * US + 3 * US)
+    assert np.isclose(t.seconds[1], 100 * US + 5 * US)
+    with pytest.raises(ValueError, match="attn_bwd_tflops"):
+        _model(attn_bwd_tflops=0.0)

@@ -4,7 +4,8 @@ import os
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange"}
+SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange",
+            "step_model"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -25,6 +26,8 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     assert exchange["workers"] == 2 and exchange["errors_ok"] and exchange["bytes_exchanged"] > 0
     assert all(w["kernel_calls"] for w in exchange["per_worker"])
     assert exchange["receive_buffers_released"]  # no placed exchange holds its receive buffer at a kernel call
+    step = sections["step_model"]  # the whole-layer model's compute part: fitted rates, world-1 pool priced
+    assert step["arranged"]["predicted_fwd_s"] > 0 and step["measured_fwd_s"] > 0
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):

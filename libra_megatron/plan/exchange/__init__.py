@@ -18,7 +18,7 @@ from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, ho
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
 from .relay import RELAY_SENDER_CUTS
 from .runtime_tables import RankTables, RouteSplits, RowRuns, build_rank_tables, rank_tables
-from .schedule import SAVE_MODES, LayerOps, layer_ops, rank_layer_ops
+from .schedule import SAVE_MODES, LayerOps, entry_pairs, layer_ops, rank_layer_ops
 from .traffic import (LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
                       traffic_of_units)
 from .validate import validate_plan
@@ -26,6 +26,6 @@ from .validate import validate_plan
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
            "RELAY_SENDER_CUTS", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_tables",
-           "SAVE_MODES", "LayerOps", "layer_ops", "rank_layer_ops", "LayerTiming", "plan_layer_timing",
+           "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "rank_layer_ops", "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",
            "validate_plan"]

@@ -62,12 +62,17 @@ class PhaseTiming:
 
 class OpCosts:
     """Seconds of a rank's kernel and copy ops under one model (module docstring), with the model's constants
-    read once (a pool's layer has tens of thousands of ops)."""
+    read once (a pool's layer has tens of thousands of ops). The backward kernel runs its
+    ``BACKWARD_FLOPS_FACTOR`` x FLOPs at ``attn_bwd_tflops`` (default: the forward's rate)."""
 
     def __init__(self, model):
         self.model = model
         self.per_pair = None if model.calibration is not None else float(model.compute_seconds(1.0))
+        self.bwd_scale = BACKWARD_FLOPS_FACTOR * (1.0 if model.attn_bwd_tflops is None
+                                                  else model.attn_tflops / model.attn_bwd_tflops)
         self.launch, self.entry = model.kernel_launch_us * US, model.kernel_entry_us * US
+        self.bwd_launch = self.launch if model.bwd_kernel_launch_us is None else model.bwd_kernel_launch_us * US
+        self.bwd_entry = self.entry if model.bwd_kernel_entry_us is None else model.bwd_kernel_entry_us * US
         self.copy_launch, self.copy_per_byte = model.copy_launch_us * US, 2.0 / (model.copy_gbps * GB)
 
     def kernel(self, op: Kernel) -> float:
@@ -78,7 +83,7 @@ class OpCosts:
         else:
             seconds = float(self.model.call_seconds(op.pairs, op.q_rows, op.heads))
         if op.direction == "bwd":
-            seconds *= BACKWARD_FLOPS_FACTOR
+            return seconds * self.bwd_scale + self.bwd_launch + op.entries * self.bwd_entry
         return seconds + self.launch + op.entries * self.entry
 
     def copy(self, op: Copy) -> float:

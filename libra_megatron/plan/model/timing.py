@@ -156,7 +156,8 @@ class StepTimeModel:
     (the simulator's pricing of kernel calls); None = the constant ``attn_tflops``.
     collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_gbps, copy_launch_us: the
     whole-layer event model's latencies and copy rate (``plan.model.events``; defaults and their sources in
-    ``plan.model.rates``). The Pipeliner timeline (``pipeline_seconds``, the placements' search) reads none of them.
+    ``plan.model.rates``); attn_bwd_tflops, bwd_kernel_launch_us, bwd_kernel_entry_us: the backward kernel's own
+    rate and costs where they differ from the forward's (None: the forward's; a CPU fit measures them). The Pipeliner timeline (``pipeline_seconds``, the placements' search) reads none of them.
     """
 
     head_dim: int
@@ -176,6 +177,9 @@ class StepTimeModel:
     kernel_entry_us: float = DEFAULT_KERNEL_ENTRY_US  # per varlen entry of a call (0 for flash-attn; a CPU fit's per-entry loop cost)
     copy_gbps: float = DEFAULT_COPY_GBPS
     copy_launch_us: float = DEFAULT_COPY_LAUNCH_US
+    attn_bwd_tflops: Optional[float] = None  # the backward kernel's rate on its FLOPs; None: attn_tflops
+    bwd_kernel_launch_us: Optional[float] = None  # None: kernel_launch_us
+    bwd_kernel_entry_us: Optional[float] = None  # None: kernel_entry_us
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps", "copy_gbps"):
@@ -193,6 +197,12 @@ class StepTimeModel:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)!r} "
                                  f"(StepTimeModel.{name})")
+        for name in ("attn_bwd_tflops", "bwd_kernel_launch_us", "bwd_kernel_entry_us"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                          and (value > 0 if name == "attn_bwd_tflops" else value >= 0)):
+                raise ValueError(f"StepTimeModel.{name} must be a finite number ({'> 0' if name == 'attn_bwd_tflops' else '>= 0'}) "
+                                 f"or None, got {value!r}")
         if int(self.first_gpu) < 0:
             raise ValueError(f"StepTimeModel.first_gpu must be >= 0, got {self.first_gpu!r}")
         if self.calibration is not None and self.calibration.head_dim != self.head_dim:
@@ -262,7 +272,7 @@ class StepTimeModel:
             "inter_message_us": self.inter_message_us, "kernel_launch_us": self.kernel_launch_us,
             "kernel_entry_us": self.kernel_entry_us,
             "copy_gbps": self.copy_gbps, "copy_launch_us": self.copy_launch_us,
-            "backward_flops_factor": BACKWARD_FLOPS_FACTOR,
+            "backward_flops_factor": BACKWARD_FLOPS_FACTOR, "attn_bwd_tflops": self.attn_bwd_tflops,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
                          "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
                          "stream; "
