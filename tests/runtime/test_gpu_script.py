@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange",
@@ -10,8 +11,9 @@ SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "me
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
     out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)  # this interpreter, wherever its venv lives (LIBRA_VENV)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks/gpu/run_all.sh"), "--dry-run", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["dry_run"] is True and set(results["sections"]) == SECTIONS
