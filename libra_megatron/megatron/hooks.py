@@ -229,8 +229,8 @@ class LibraHooks:
     def _microbatch_metrics(self, args: argparse.Namespace, iteration: int) -> dict:
         """The trained window's ``microbatch_max_mean_*`` scalars (``metrics.microbatch_metrics``).
 
-        They re-tile and re-place every pool of the window (not only this rank's), so they are computed on
-        a background thread a step ahead: each call takes this window's and queues the next one's unless
+        They read the planner's placement of every pool of the window (pools of other ranks are planned by
+        this rank's planner behind its own), so they are computed on a background thread a step ahead: each call takes this window's and queues the next one's unless
         ``iteration`` is the run's last (the first window of a run is computed here, once). Only the rank
         that writes TensorBoard calls this.
         """
@@ -425,12 +425,13 @@ def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:
 
 
 def _microbatch_window_metrics(sampler: Any, window: int, planner: Any) -> dict:
-    """``metrics.microbatch_metrics`` of ``window`` with the planner's config, token and head layouts."""
+    """``metrics.microbatch_metrics`` of ``window`` with the planner's config, token and head layouts, and its
+    placements (``get_for_metrics``: this rank's plans, the others planned behind training's)."""
     from .metrics import microbatch_metrics
 
     segments, order = _window_order(sampler, window)
     return microbatch_metrics(segments, order, sampler.data_parallel_size, planner.config, planner.layout,
-                              planner.heads)
+                              planner.heads, plans=getattr(planner, "get_for_metrics", None))
 
 
 def _planner_metrics(planner: Any) -> dict:

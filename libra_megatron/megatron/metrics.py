@@ -11,7 +11,7 @@ intra-pool level. Bytes are per transformer layer, forward, remote only (Eq. 8 v
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -57,13 +57,15 @@ def microbatch_worst_workers(pool_worst: Sequence[float], data_parallel_size: in
 
 
 def microbatch_metrics(window_segments: Sequence[Sequence[int]], order: Sequence[int], data_parallel_size: int,
-                       config: Any, layout: Any, heads: Any) -> Dict[str, float]:
+                       config: Any, layout: Any, heads: Any, plans: Optional[Callable] = None) -> Dict[str, float]:
     """Pipeline-bubble proxy (Fig. 12) of one window: over its GA microbatches, max/mean of the worst
     worker's Eq. 6 attention load (``microbatch_worst_workers``).
 
     before: the sampler's order (Megatron's: position n on DP rank n % DP at GA n // DP), every tile at its
     Q-home (no TAP). after: the VRSP ``order``, tiles as TAP places them (``config.tile_placement``, the
-    planner's ``plan.pool.place_pool_tiles``). ``config``/``layout``/``heads``: the planner's.
+    planner's ``plan.pool.place_pool_tiles``). ``config``/``layout``/``heads``: the planner's. ``plans``: pool segments
+    -> the planner's ``PlannedPool`` (``BackgroundPlanner.get_for_metrics``): the after loads are then read from
+    the planner's placements (its node grouping, nothing placed again); without it they are placed here.
     ``microbatch_slowest_after_over_before``: the slowest microbatch's worst worker, after / before. The
     spread alone can rise while every microbatch gets faster (sampler-order microbatches that all hold one
     L-token document have the same worst worker: spread 1), so both are reported.
@@ -72,8 +74,11 @@ def microbatch_metrics(window_segments: Sequence[Sequence[int]], order: Sequence
     contiguous = np.arange(len(window_segments), dtype=np.int64)
     per_ga = {}
     for name, run_order, pool_config in (("before", contiguous, home), ("after", order, config)):
-        worst = [_worst_worker_load(pool, pool_config, layout, heads)
-                 for pool in _window_pools(window_segments, run_order, config.pool_size)]
+        pools = _window_pools(window_segments, run_order, config.pool_size)
+        if plans is not None and name == "after":
+            worst = [float(np.max(plans(pool).pool_plan.placement.loads)) for pool in pools]
+        else:  # the sampler-order pools at their Q-homes: tiles only, no placement search
+            worst = [_worst_worker_load(pool, pool_config, layout, heads) for pool in pools]
         per_ga[name] = microbatch_worst_workers(worst, data_parallel_size, config.pool_size)
     out = {f"microbatch_max_mean_{name}": _max_over_mean(loads) for name, loads in per_ga.items()}
     slowest_before = float(per_ga["before"].max())

@@ -1,24 +1,28 @@
-"""Planning off the critical path (§4.1, Fig. 6): a background CPU thread plans the next pools.
+"""Planning off the critical path (§4.1, Fig. 6): a background planner (a process or a thread) plans the next pools.
 
-Design choice: *every rank plans deterministically from the same metadata*. The sampler hands each rank
-the segment lengths of all P packed sequences of its pool (``libra_pool_segments``); ``plan_pool`` is a
-pure function of (segments, LibraConfig, TokenLayout, HeadLayout), so the P*CP ranks of a pool compute
-byte-identical plans with no broadcast. Agreement is verified by fingerprint: ``libra_attn_func`` checks
-the ranks' plan fingerprints before its first collective. Compared with a coordinator broadcasting an
-encoded plan, this costs P*CP-fold redundant CPU work (a few ms per pool at our sizes, on an otherwise
-idle core) but needs no extra collective on the step's critical path.
+Every rank plans deterministically from the same metadata (``libra_pool_segments``: the segment lengths of its
+pool's P sequences); ``plan_pool`` is a pure function of them and the layouts, so the P*CP ranks of a pool compute
+byte-identical plans with no broadcast (``libra_attn_func`` checks fingerprints before its first collective), at
+P*CP-fold redundant CPU work (75-115 ms a pool at the shipped knobs, ``benchmarks/bench_planner.py``).
+
+Where it runs (issue 25). ``mode="process"`` (what ``build_planner_from_args`` starts for a Megatron-LM run) plans in
+a separate, spawned Python process per rank: the training interpreter only pickles the pool segments to it and
+unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per plan), so the placement's
+search never holds the training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in
+``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
+back as that pool's ``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every
+pool still pending with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
+(join, then terminate, then kill). Nothing falls back silently: a failed pool raises on every ``get``.
 
 Usage (one ``BackgroundPlanner`` per training process)::
 
     planner = BackgroundPlanner(config, layout, heads)
     planner.submit(pool_segments)              # as soon as the sampler knows the microbatch (look-ahead)
-    plan = planner.get(pool_segments, position=p, cp_rank=c)   # RankPlan of worker p*CP + c
-    planner.close()
+    plan = planner.get(pool_segments, position=p, cp_rank=c); planner.close()   # RankPlan of worker p*CP + c
 
-Keys are content hashes of the pool's segments, so ``get`` without a prior ``submit`` also works (it
-plans then waits). A failure inside the thread is stored and re-raised by the ``get`` of that key as a
-``PlannerError`` carrying the original traceback; ``get`` never blocks longer than ``timeout_s`` and fails
-at once if the thread has died.
+Keys are content hashes of the pool's segments, so ``get`` without a prior ``submit`` also works (it plans then
+waits). A failure is re-raised by the ``get`` of that key as a ``PlannerError`` with the original traceback; ``get``
+never blocks longer than ``timeout_s`` and fails at once if the planner has died.
 
 Off the training thread, per pool: the PoolPlan; the predicted bytes every rank keeps for backward per
 layer in each save mode (``plan.model.memory``), and the ``save_mode=auto`` decision from them (pool-wide
@@ -35,7 +39,6 @@ finished plans plus the ones still queued, however long the run.
 from __future__ import annotations
 
 import collections
-import hashlib
 import queue
 import threading
 import time
@@ -47,6 +50,7 @@ import numpy as np
 
 from ..config import LibraConfig, SaveModeName
 from ..plan.layout import HeadLayout, TokenLayout
+from .planner_process import default_plan_fn, memory as _memory, pool_key, spawn_planner, stop_planner
 
 __all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "build_planner_from_args"]
 
@@ -73,22 +77,6 @@ class PlannedPool:
     rank_ready_s: Optional[float] = None  # submit -> this worker's RankPlan and tables built (worker set)
 
 
-def pool_key(pool_segments: Sequence[Sequence[int]]) -> str:
-    """Content hash of a pool's segment lengths (order matters: position p is worker p's sequence)."""
-    h = hashlib.blake2b(digest_size=16)
-    for seg in pool_segments:
-        arr = np.ascontiguousarray(np.asarray(seg, dtype=np.int64).reshape(-1))
-        h.update(np.int64(arr.size).tobytes())
-        h.update(arr.tobytes())
-    return h.hexdigest()
-
-
-def _default_plan_fn(*args, **kwargs):
-    from ..plan.pool import plan_pool
-
-    return plan_pool(*args, **kwargs)
-
-
 class _Slot:
     """State of one key: done event, result or (exception, traceback text)."""
 
@@ -97,6 +85,8 @@ class _Slot:
         self.submitted = time.perf_counter()
         self.done = threading.Event()
         self.gets_owed = 0  # submits not yet matched by a get; 0 = consumed, evicted first
+        self.low = False  # queued for the metrics only: planned when no other pool waits
+        self.taken = False  # handed to the planner (thread or process)
         self.result: Optional[PlannedPool] = None
         self.error: Optional[BaseException] = None
         self.error_text = ""
@@ -115,16 +105,20 @@ class BackgroundPlanner:
     num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
         ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
     timing: the ``plan.model.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
+    mode: "thread" (plan in a thread of this interpreter) or "process" (a spawned planner process; module
+        docstring). ``plan_fn`` must then pickle (a module-level function).
+    pools_per_window: the pools this rank gets per optimizer step (GA), for ``planner_lead_windows``.
     """
 
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
-                 validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None):
+                 validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None,
+                 mode: str = "thread", pools_per_window: int = 1):
         self.config, self.layout, self.heads = config, layout, heads
         self._timing = timing  # plan.model.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
         self._num_layers = int(num_layers)
-        self._plan_fn = plan_fn or _default_plan_fn
+        self._plan_fn = plan_fn or default_plan_fn
         self._capacity, self._timeout_s, self._validate = int(capacity), float(timeout_s), bool(validate)
         self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -132,7 +126,19 @@ class BackgroundPlanner:
         self._latencies: list = []
         self._last: Optional[PlannedPool] = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="libra-planner", daemon=True)
+        if mode not in ("thread", "process"):
+            raise ValueError(f"BackgroundPlanner: mode must be 'thread' or 'process', got {mode!r}")
+        self.mode = mode
+        self._process = self._reader = None
+        self.plans_made = 0  # pools this planner planned (finished or failed), for the "planned once" checks
+        self._per_window = max(1, int(pools_per_window))
+        self._low: "collections.deque[str]" = collections.deque()  # metrics' pools: planned when nothing else is
+        self._in_flight = 0  # pools handed to the process and not back yet
+        self._waited_s = 0.0  # seconds get() blocked since the last latest_metrics()
+        if mode == "process":
+            self._start_process()
+        self._thread = threading.Thread(target=self._run if mode == "thread" else self._send,
+                                        name="libra-planner", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ producer side
@@ -151,13 +157,28 @@ class BackgroundPlanner:
     def get_pool(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
         """The finished plan of a pool (queued now if it was never submitted). Raises PlannerError on failure."""
         key, slot = self._slot_for(pool_segments, owed=-1)
-        self._wait(key, slot, self._timeout_s if timeout is None else float(timeout))
+        begin = time.perf_counter()
+        try:
+            self._wait(key, slot, self._timeout_s if timeout is None else float(timeout))
+        finally:
+            with self._lock:
+                self._waited_s += time.perf_counter() - begin
         if slot.error is not None:
             raise PlannerError(
                 f"background planner failed for pool {key} (segments per sequence: "
                 f"{[len(s) for s in slot.segments]}): {type(slot.error).__name__}: {slot.error}\n"
                 f"--- planner thread traceback ---\n{slot.error_text}"
             ) from slot.error
+        return slot.result
+
+    def get_for_metrics(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
+        """The plan of a pool for the metrics: this planner's own plan when it has it (the pools of this rank),
+        else planned behind every pool training waits for. Announces no ``get`` and counts no wait."""
+        key, slot = self._slot_for(pool_segments, owed=0, low=True)
+        self._wait(key, slot, self._timeout_s if timeout is None else float(timeout))
+        if slot.error is not None:
+            raise PlannerError(f"background planner failed for pool {key}: {type(slot.error).__name__}: "
+                               f"{slot.error}") from slot.error
         return slot.result
 
     def get(self, pool_segments: Sequence[Sequence[int]], *, position: int, cp_rank: int,
@@ -200,6 +221,10 @@ class BackgroundPlanner:
         if last is None:
             return {}
         out = pool_plan_metrics(last.pool_plan, planner_latency_s=last.latency_s)
+        with self._lock:  # plans ready and still owed a get, in windows; training's wait since the last call
+            ready = sum(1 for s in self._slots.values() if s.done.is_set() and s.error is None and s.gets_owed)
+            out["planner_lead_windows"] = ready / self._per_window
+            out["planner_wait_ms"], self._waited_s = self._waited_s * 1e3, 0.0
         for mode, per_rank in (last.saved_bytes or {}).items():  # predicted, worst rank, one layer
             out[f"saved_bytes_{mode}_max"] = float(np.max(per_rank, initial=0))
         if last.save_mode is not None:
@@ -214,6 +239,8 @@ class BackgroundPlanner:
             self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self._process is not None:
+            self._stop_process()
 
     def __enter__(self) -> "BackgroundPlanner":
         return self
@@ -227,8 +254,9 @@ class BackgroundPlanner:
             return len(self._slots)
 
     # ------------------------------------------------------------------ slots
-    def _slot_for(self, pool_segments: Sequence[Sequence[int]], owed: int) -> tuple:
-        """(key, slot) of a pool, created and queued if unknown; ``owed`` +1 for a submit, -1 for a get.
+    def _slot_for(self, pool_segments: Sequence[Sequence[int]], owed: int, low: bool = False) -> tuple:
+        """(key, slot) of a pool, created and queued if unknown; ``owed`` +1 for a submit, -1 for a get, 0 for
+        the metrics (``low``: queued behind every other pool; a later submit or get moves it up).
 
         The slot is returned under the same lock that found it, so a concurrent eviction cannot lose it.
         """
@@ -241,33 +269,65 @@ class BackgroundPlanner:
             is_new = slot is None
             if is_new:
                 slot = self._slots[key] = _Slot(segments)
+                slot.low = low
             self._slots.move_to_end(key)
             slot.gets_owed = max(0, slot.gets_owed + owed)
+            promote = not is_new and slot.low and not low and not slot.taken
+            if promote:
+                slot.low = False
+            if is_new and low:
+                self._low.append(key)
             self._evict_locked()
-        if is_new:
+        if (is_new and not low) or promote:
             self._queue.put(key)
+        elif is_new:
+            self._queue.put("")
         return key, slot
+
+    def _next_key(self) -> Optional[str]:
+        """The next pool to plan: queued ones first, the metrics' ones when nothing else is queued or in flight."""
+        while True:
+            try:
+                key = self._queue.get(timeout=0.05 if self._low else None)
+                if key != "":  # "": a wake-up for a metrics pool
+                    return key
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self._low and self._in_flight == 0 and self._queue.empty():
+                    return self._low.popleft()
+
+    def _take(self, key: str) -> Optional[_Slot]:
+        """The slot of ``key`` if it still needs planning, marked taken (a key can be queued twice)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None or slot.done.is_set() or slot.taken:
+                return None
+            slot.taken = True
+            return slot
 
     def _wait(self, key: str, slot: _Slot, wait: float) -> None:
         """Block until ``slot`` is done; PlannerError after ``wait`` seconds or as soon as the thread is dead."""
         deadline = time.perf_counter() + wait
         while not slot.done.wait(max(0.0, min(1.0, deadline - time.perf_counter()))):
+            if self._process is not None and not self._process.is_alive() and not slot.done.wait(2.0):
+                raise PlannerError(f"the planner process is dead (exit code {self._process.exitcode}); pool {key} "
+                                   f"will never be planned")
             if not self._thread.is_alive() and not slot.done.is_set():
                 raise PlannerError(f"the planner thread is dead; pool {key} will never be planned")
             if time.perf_counter() >= deadline:
-                raise PlannerError(f"planner did not finish pool {key} within {wait:.1f}s (thread alive)")
+                where = "process" if self._process is not None else "thread"
+                raise PlannerError(f"planner did not finish pool {key} within {wait:.1f}s ({where} alive)")
 
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
         while True:
-            key = self._queue.get()
+            key = self._next_key()
             if key is None:
                 break
-            with self._lock:
-                slot = self._slots.get(key)
-            if slot is None or slot.done.is_set():
-                continue
-            self._plan_one(key, slot)
+            slot = self._take(key)
+            if slot is not None:
+                self._plan_one(key, slot)
         self._fail_pending("the planner was closed before planning this pool")
 
     def _plan_one(self, key: str, slot: _Slot) -> None:
@@ -277,17 +337,22 @@ class BackgroundPlanner:
             plan = self._plan_fn([list(s) for s in slot.segments], self.config, self.layout, self.heads,
                                  validate=self._validate, **extra)
             rank_ready = self._materialise_rank(plan, slot.submitted)
-            saved, mode = self._memory(plan)
+            saved, mode = _memory(plan, self.config, self.heads, self.layout, self._num_layers)
             latency = time.perf_counter() - start
-            slot.result = PlannedPool(key, slot.segments, plan, latency, start - slot.submitted, saved, mode,
-                                      rank_ready)
-            with self._lock:
-                self._latencies.append(latency)
-                self._last = slot.result
+            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, start - slot.submitted, saved, mode,
+                                           rank_ready))
         except BaseException as exc:  # noqa: BLE001 - surfaced to the training thread by get()
             slot.error, slot.error_text = exc, traceback.format_exc()
-        finally:
-            slot.done.set()
+            self._finish(slot, None)
+
+    def _finish(self, slot: _Slot, result: Optional[PlannedPool]) -> None:
+        with self._lock:
+            self.plans_made += 1
+            if result is not None:
+                slot.result = result
+                self._latencies.append(result.latency_s)
+                self._last = result
+        slot.done.set()
 
     def _materialise_rank(self, plan, submitted: float) -> Optional[float]:
         """Build this worker's RankPlan and its row run tables now; seconds since submit, or None."""
@@ -299,17 +364,71 @@ class BackgroundPlanner:
         rank_tables(exchange.for_rank(self._worker))
         return time.perf_counter() - submitted
 
-    def _memory(self, plan) -> tuple:
-        """(predicted saved bytes per rank per layer by mode, resolved save mode) of a PoolPlan."""
-        exchange = getattr(plan, "exchange", None)
-        if getattr(exchange, "arranged_q_units", None) is None:  # a stand-in plan (tests) carries no tables
-            return {}, None
-        from ..plan.model import choose_save_mode, predicted_saved_bytes
+    # ------------------------------------------------------------------ process mode
+    def _start_process(self) -> None:
+        """Spawn the planner process (a fresh interpreter: no training state, no CUDA) and its result reader."""
+        spec = (self.config, self.layout, self.heads, self._timing, self._validate, self._worker, self._num_layers,
+                self._plan_fn)
+        self._process, self._tasks, self._results = spawn_planner(spec)
+        self._reader = threading.Thread(target=self._read, name="libra-planner-reader", daemon=True)
+        self._reader.start()
 
-        saved = predicted_saved_bytes(exchange, self.heads, self.layout.local_len)
-        mode = choose_save_mode(self.config.save_mode, saved["arranged"], self.config.activation_budget_gb,
-                                self._num_layers)
-        return saved, mode
+    def _send(self) -> None:
+        """Thread body (process mode): hand queued pools to the process, in submit order."""
+        while True:
+            key = self._next_key()
+            slot = self._take(key) if key is not None else None
+            try:
+                if key is None:
+                    self._tasks.send(None)
+                    break
+                if slot is not None:
+                    with self._lock:
+                        self._in_flight += 1
+                    self._tasks.send((key, slot.segments))
+            except (OSError, EOFError, ValueError):  # the process is gone: the reader fails the pending pools
+                break
+
+    def _read(self) -> None:
+        """Thread body (process mode): publish every plan or error the process sends back."""
+        while True:
+            try:
+                key, ok, payload = self._results.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # noqa: BLE001 - an unpicklable result: that pool cannot be served
+                self._fail_pending(f"a plan from the planner process did not unpickle: {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                with self._lock:
+                    self._in_flight = max(0, self._in_flight - 1)
+            with self._lock:
+                slot = self._slots.get(key)
+            if slot is None or slot.done.is_set():
+                continue
+            if not ok:
+                slot.error, slot.error_text = payload
+                self._finish(slot, None)
+                continue
+            plan, latency, saved, mode = payload
+            try:
+                rank_ready = self._materialise_rank(plan, slot.submitted)
+            except BaseException as exc:  # noqa: BLE001
+                slot.error, slot.error_text = exc, traceback.format_exc()
+                self._finish(slot, None)
+                continue
+            queued = max(0.0, time.perf_counter() - slot.submitted - latency)
+            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, queued, saved, mode, rank_ready))
+        if self._process is not None:
+            self._process.join(timeout=5)
+            code = self._process.exitcode
+        why = "closed" if self._closed else f"died (exit code {code})"
+        self._fail_pending(f"the planner process {why} before planning this pool")
+
+    def _stop_process(self) -> None:
+        stop_planner(self._process, (self._tasks, self._results))
+        if self._reader is not None:
+            self._reader.join(timeout=10)
 
     def _fail_pending(self, why: str) -> None:
         with self._lock:
@@ -328,7 +447,8 @@ class BackgroundPlanner:
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``;
-    this rank's pool worker id (its RankPlan is materialised in the thread) and its stage's layer count.
+    this rank's pool worker id (its RankPlan is materialised by the planner) and its stage's layer count. It plans
+    in its own process (``LIBRA_PLANNER_MODE=thread``: in a thread of the trainer).
 
     Its capacity holds two windows of plans (GBS / (mbs * DP) each, at least 64 plans): the sampler submits a
     whole window ahead (``LibraHooks`` plan-ahead), and the DataLoader may start the next one early.
@@ -345,8 +465,12 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     layers = -(-int(getattr(args, "num_layers", 1) or 1) // pp)
+    import os
+
+    mode = os.environ.get("LIBRA_PLANNER_MODE", "process")  # "thread": plan in this interpreter (debugging)
     return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window), worker=_pool_worker(),
-                             num_layers=layers, timing=_pool_timing(kv_channels))
+                             num_layers=layers, timing=_pool_timing(kv_channels), mode=mode,
+                             pools_per_window=ga_per_window)
 
 
 def _pool_timing(head_dim: int):

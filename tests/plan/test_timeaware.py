@@ -134,3 +134,39 @@ def test_config_time_placement_reaches_plan_pool_and_its_plan_validates():
     assert np.array_equal(planned.placement.assignment, expected.assignment)
     with pytest.raises(ValueError, match="tile_placement"):
         LibraConfig(tile_placement="tim")
+
+
+def _shipped_pools():
+    """Real-trace pools at the shipped 256K knobs (configs/libra/256k.yaml: B=2048, H=4, M=4), Qwen3-30B-A3B
+    heads, 8 sequences of the linux and wikipedia traces packed as ``benchmarks/bench_planner.py`` packs them."""
+    out = []
+    for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
+        docs = load_trace(find_trace(trace))[:60000]
+        seqs = pack_documents(docs, 256 * 1024, "megatron", 7)
+        for k in range(2):
+            out.append(build_tiles(seqs[8 * k:8 * k + 8], TokenLayout("zigzag", 256 * 1024, 8),
+                                   HeadLayout(32, 4, 128, 4, 4, elem_bytes=2), 2048, tiling="adaptive", tau=0.03,
+                                   kv_fetch="prefix"))
+    return out
+
+
+def test_vectorised_search_returns_the_per_move_searchs_assignment_on_real_pools():
+    """Issue 25: the numpy search prices whole candidate sets at once; it must pick the moves the per-move Python
+    search (``tests/plan/_timeaware_reference.py``, the code before) picks, at the dense placement's width and at
+    the full width, from Alg. 2's assignment and from the node export's."""
+    from libra_megatron.plan.tiles.alg2 import place_alg2, tile_loads
+    from libra_megatron.plan.tiles.node_export import export_dense_first
+
+    from . import _timeaware_reference as reference
+
+    moved = 0
+    for tiles in _shipped_pools():
+        model = StepTimeModel(128)
+        start = place_alg2(tiles, 0.03)[0]
+        exported = export_dense_first(tiles, start, tile_loads(tiles, None), model.nodes(tiles.num_workers))
+        dense = (exported, timeaware.DENSE_TIME_ROUNDS, timeaware.DENSE_WIDTH)
+        for begin, rounds, width in (dense, (start, 24, (10, 10))):
+            new = timeaware.time_moves(tiles, begin, model, rounds, width)
+            assert np.array_equal(new, reference.time_moves(tiles, begin, model, rounds, width))
+            moved += int((new != begin).sum())
+    assert moved > 20  # the searches did move tiles

@@ -12,8 +12,11 @@ the slowest worker w* and tries single-tile moves that touch it:
                                         fetched a long enough prefix of the tile's group (no new bytes)
 and applies the best one if it lowers (max over workers, time of w*) lexicographically without raising
 the max. Moves are evaluated incrementally: only the workers a move touches are re-priced, all candidate
-moves of a round in one ``pipeline_seconds`` call. The incremental link bytes per phase are exact; the
-local compute is a per-fragment estimate (a fragment on its Q-home computes locally over the suffix of its
+moves of a round in one ``pipeline_seconds`` call, and a round's candidate set is priced with numpy over all its
+moves at once (issue 25: the per-move Python dicts cost ~100 ms a pool). A move's K/V bytes are the change of
+every touched (group, worker)'s longest selected prefix, read from a table of each pair's longest and next shorter
+kv end; a move set's (group moves, swaps) the change of those prefixes after the whole set (a tile references a
+group at most once, so the two agree). The incremental link bytes per phase are exact; the local compute is a per-fragment estimate (a fragment on its Q-home computes locally over the suffix of its
 key rows the home holds), which can call local what the plan merges into a remote or shorter-tailed entry.
 So the search is a heuristic, and the guarantee is checked on the real plans: ``refine_for_time`` prices
 both final assignments with ``worker_times`` (the exchange plan's traffic, ``hosted_pair_heads`` and lead)
@@ -24,8 +27,7 @@ last step of the 'dense' placement (``plan.tiles.placement``): ``DENSE_TIME_ROUN
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -70,61 +72,123 @@ def _home_local_flops(tiles: TileSet) -> np.ndarray:
 
 
 def _tile_refs(tiles: TileSet):
-    """Every tile's K/V references as flat lists (tile, group, kv end), tile-major, each tile's in
+    """Every tile's K/V references as int64 arrays (tile, group, kv end), tile-major, each tile's in
     ``tiles.tile_kv_refs`` order (its block's fragments), and int64 [T + 1] offsets of each tile's."""
     H, G = tiles.head_split, tiles.num_kv_classes
     per_tile = np.repeat(np.diff(tiles.frag_ptr), H)
     frag = expand_ranges(np.repeat(tiles.frag_ptr[:-1], H), per_tile)  # fragments of tile 0, 1, ...
     tile = np.repeat(np.arange(tiles.num_tiles, dtype=np.int64), per_tile)
     group = tiles.frag_doc[frag] * G + tiles.heads.kv_class_of_shard()[tile % H]
-    ptr = np.concatenate([[0], np.cumsum(per_tile)])
-    return tile.tolist(), group.tolist(), tiles.frag_kv_end[frag].tolist(), ptr.tolist()
+    ptr = np.concatenate([[0], np.cumsum(per_tile)]).astype(np.int64)
+    return tile, group.astype(np.int64), tiles.frag_kv_end[frag].astype(np.int64), ptr
+
+
+def _segments(keys: np.ndarray) -> np.ndarray:
+    """Start of every run of equal values of the sorted ``keys``."""
+    return np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]])) if keys.size else keys[:0]
 
 
 class _PoolTraffic:
-    """Per-worker bytes and compute of an assignment, updated one tile move at a time."""
+    """Per-worker bytes and compute of an assignment, priced for whole sets of tile moves with numpy.
+
+    The prefix table holds, for every (group, worker) with a tile there referencing the group, the longest kv end
+    selected (``_m1``), how many references select it (``_c1``) and the next shorter end (``_m2``, 0: none): a
+    reference leaving the pair shortens its prefix to ``_m2`` only when it is the one longest."""
 
     def __init__(self, tiles: TileSet, assignment: np.ndarray, model: StepTimeModel):
         self.tiles, self.model = tiles, model
         W, heads = tiles.num_workers, tiles.heads
-        self.node = model.nodes(W).tolist()
-        self.assignment = [int(a) for a in assignment]
-        self.home = tiles.tile_home().tolist()
-        self.q_bytes = (tiles.tile_tokens() * heads.q_bytes_per_token()).astype(float).tolist()
-        self.compute = model.compute_seconds(tiles.tile_flops()).tolist()
-        self.home_local = model.compute_seconds(_home_local_flops(tiles)).tolist()
+        self.W, self.T = W, tiles.num_tiles
+        self.node = np.asarray(model.nodes(W), dtype=np.int64)
+        self.assignment = np.array(assignment, dtype=np.int64).reshape(-1)
+        self.home = tiles.tile_home().astype(np.int64)
+        self.q_bytes = (tiles.tile_tokens() * heads.q_bytes_per_token()).astype(np.float64)
+        self.compute = np.asarray(model.compute_seconds(tiles.tile_flops()), dtype=np.float64)
+        self.home_local = np.asarray(model.compute_seconds(_home_local_flops(tiles)), dtype=np.float64)
         self.kv_bytes = float(heads.kv_bytes_per_token())
         self.G = tiles.num_kv_classes
-        ref_tile, ref_group, ref_end, ref_ptr = _tile_refs(tiles)
-        self.refs = [tuple(zip(ref_group[lo:hi], ref_end[lo:hi])) for lo, hi in zip(ref_ptr[:-1], ref_ptr[1:])]
-        ptr = tiles.doc_home_ptr
-        self.holders = [tuple(zip(tiles.doc_home_worker[ptr[d]:ptr[d + 1]].tolist(),
-                                  tiles.doc_home_offset[ptr[d]:ptr[d + 1]].tolist(),
-                                  tiles.doc_home_count[ptr[d]:ptr[d + 1]].tolist())) for d in range(tiles.num_docs)]
-        self.ends: Dict[Tuple[int, int], Dict[int, int]] = defaultdict(dict)  # (group, w) -> {kv_end: tiles}
-        self.fetchers: Dict[int, set] = defaultdict(set)  # group -> workers with a prefix of it selected
-        for t, group, end in zip(ref_tile, ref_group, ref_end):
-            w = self.assignment[t]
-            ends = self.ends[(group, w)]
-            ends[end] = ends.get(end, 0) + 1
-            self.fetchers[group].add(w)
-        self.state = self._initial_state(np.asarray(ref_tile, dtype=np.int64), np.asarray(ref_group, dtype=np.int64),
-                                         np.asarray(ref_end, dtype=np.int64))
+        self.num_groups = tiles.num_docs * self.G
+        self.ref_tile, self.ref_group, self.ref_end, self.ref_ptr = _tile_refs(tiles)
+        self.ref_doc = self.ref_group // self.G
+        self.group_refs = np.argsort(self.ref_group, kind="stable")  # references of group g, CSR by group_ptr
+        self.group_ptr = np.searchsorted(self.ref_group[self.group_refs], np.arange(self.num_groups + 1))
+        self.top_ref = np.full(self.T, -1, dtype=np.int64)  # a tile's first reference with its longest kv end
+        self._E = int(self.ref_end.max(initial=0)) + 1  # kv ends < E: (key, end) sort as one int64
+        by_end = np.argsort(self.ref_tile * self._E + (self._E - 1 - self.ref_end), kind="stable")
+        first = by_end[_segments(self.ref_tile[by_end])]
+        self.top_ref[self.ref_tile[first]] = first
+        self.hptr = tiles.doc_home_ptr.astype(np.int64)
+        self.holder = tiles.doc_home_worker.astype(np.int64)
+        self.hoff, self.hcnt = tiles.doc_home_offset.astype(np.int64), tiles.doc_home_count.astype(np.int64)
+        self.holder_doc = np.repeat(np.arange(tiles.num_docs, dtype=np.int64), np.diff(self.hptr))
+        self._build_prefixes()
+        self.state = self._initial_state()
 
-    def _initial_state(self, ref_tile, ref_group, ref_end) -> np.ndarray:
+    # ----------------------------------------------------------------- prefix table
+    def _build_prefixes(self) -> None:
+        E = self._E
+        both = np.sort((self.ref_group * self.W + self.assignment[self.ref_tile]) * E + (E - 1 - self.ref_end))
+        key, end = both // E, E - 1 - both % E  # by pair, longest end first
+        start = _segments(key)
+        size = np.diff(np.append(start, key.size))
+        self._key, self._m1 = key[start], end[start]
+        self._c1 = np.add.reduceat((end == np.repeat(self._m1, size)).astype(np.int64), start) if start.size \
+            else start.copy()
+        nxt = start + self._c1
+        self._m2 = np.where(nxt < start + size, end[np.minimum(nxt, max(key.size - 1, 0))], 0)
+
+    def _lookup(self, group: np.ndarray, worker: np.ndarray):
+        """(longest end, references at it, next shorter end) of pairs (group, worker); zeros for empty pairs."""
+        if not self._key.size:
+            zero = np.zeros(np.shape(group), dtype=np.int64)
+            return zero, zero, zero
+        k = group * self.W + worker
+        i = np.minimum(np.searchsorted(self._key, k), self._key.size - 1)
+        hit = self._key[i] == k
+        return (np.where(hit, self._m1[i], 0), np.where(hit, self._c1[i], 0), np.where(hit, self._m2[i], 0))
+
+    def _reprefix(self, group: int, w: int) -> None:
+        """Recompute pair (group, w) of the table from the group's references (after a move)."""
+        refs = self.group_refs[self.group_ptr[group]:self.group_ptr[group + 1]]
+        ends = np.sort(self.ref_end[refs[self.assignment[self.ref_tile[refs]] == w]])[::-1]
+        m1 = int(ends[0]) if ends.size else 0
+        c1 = int((ends == m1).sum()) if ends.size else 0
+        m2 = int(ends[c1]) if c1 < ends.size else 0
+        k = group * self.W + w
+        i = int(np.searchsorted(self._key, k))
+        if i < self._key.size and self._key[i] == k:
+            self._m1[i], self._c1[i], self._m2[i] = m1, c1, m2
+        elif c1:
+            self._key, self._m1 = np.insert(self._key, i, k), np.insert(self._m1, i, m1)
+            self._c1, self._m2 = np.insert(self._c1, i, c1), np.insert(self._m2, i, m2)
+
+    @property
+    def ends(self) -> dict:
+        """{(group, worker): (longest kv end selected, references at it, next shorter end)} of non-empty pairs."""
+        live = self._c1 > 0
+        return {(int(k) // self.W, int(k) % self.W): (int(a), int(b), int(c)) for k, a, b, c in
+                zip(self._key[live], self._m1[live], self._c1[live], self._m2[live])}
+
+    @property
+    def fetchers(self) -> dict:
+        """{group: workers with a prefix of it selected}."""
+        out: dict = {}
+        for group, w in self.ends:
+            out.setdefault(group, set()).add(w)
+        return out
+
+    def _initial_state(self) -> np.ndarray:
         """[W, 10] state of the whole assignment at once: what moving every tile from nowhere to its worker
-        one at a time (``_delta``) sums to (``tests/plan/test_timeaware.py`` checks the two agree)."""
-        tiles, W = self.tiles, self.tiles.num_workers
-        node, dst, home = np.asarray(self.node), np.asarray(self.assignment), np.asarray(self.home)
+        one at a time sums to (``tests/plan/test_timeaware.py`` checks the two agree)."""
+        tiles, W = self.tiles, self.W
+        node, dst, home = self.node, self.assignment, self.home
         state = np.zeros((W, _NCOL))
-        compute, local = np.asarray(self.compute), np.where(dst == home, self.home_local, 0.0)
+        local = np.where(dst == home, self.home_local, 0.0)
         state[:, _L] = np.bincount(dst, weights=local, minlength=W)
-        state[:, _X] = np.bincount(dst, weights=compute - local, minlength=W)
-        self._add_edges(state, node, home, dst, np.asarray(self.q_bytes), _QS)
+        state[:, _X] = np.bincount(dst, weights=self.compute - local, minlength=W)
+        self._add_edges(state, node, home, dst, self.q_bytes, _QS)
         # K/V: every (group, destination) fetches rows [0, its longest kv end) from the group's holders
-        key, inverse = np.unique(ref_group * W + dst[ref_tile], return_inverse=True)
-        end = np.zeros(key.size, dtype=np.int64)
-        np.maximum.at(end, inverse, ref_end)
+        key, end = self._key, self._m1  # the prefix table: every pair's longest kv end
         fetcher = key % W
         row, entry, count = home_runs_in_prefix(tiles, key // W // self.G, end)
         self._add_edges(state, node, tiles.doc_home_worker[entry], fetcher[row], count * self.kv_bytes, _KS)
@@ -132,7 +196,7 @@ class _PoolTraffic:
 
     @staticmethod
     def _add_edges(state, node, src, dst, nbytes, kind: int) -> None:
-        """``_edge`` for arrays of (src, dst, bytes) edges (self edges dropped)."""
+        """Add arrays of (src, dst, bytes) edges of ``kind`` (_QS: Q, _KS: K/V) to ``state`` (self edges dropped)."""
         W = state.shape[0]
         for base, cross in ((0, False), (_INTER, True)):
             keep = (src != dst) & ((node[src] != node[dst]) == cross)
@@ -149,88 +213,120 @@ class _PoolTraffic:
         link = self.model.comm_seconds(intra, inter)
         return self.model.worker_seconds(rows[:, _L], rows[:, _X], link[:, 0], link[:, 1])
 
-    # ----------------------------------------------------------------- deltas
-    def _row(self, delta, w: int) -> list:
-        row = delta.get(w)
-        if row is None:
-            row = delta[w] = [0.0] * _NCOL
-        return row
+    def _edges(self, parts: list, cand, src, dst, nbytes, kind: int) -> None:
+        """Contributions (candidate, worker, column, value) of edges src -> dst of ``nbytes`` ``kind``."""
+        keep = (src != dst) & (nbytes != 0)
+        cand, src, dst, nbytes = cand[keep], src[keep], dst[keep], nbytes[keep]
+        col = kind + np.where(self.node[src] == self.node[dst], 0, _INTER)
+        parts.append((cand, src, col, nbytes))
+        parts.append((cand, dst, col + 1, nbytes))
 
-    def _edge(self, delta, src: int, dst: int, nbytes: float, kind: int) -> None:
-        """``nbytes`` of ``kind`` (_QS: Q, _KS: K/V) from src to dst (the O of a Q edge is implied)."""
-        if src == dst or nbytes == 0:
-            return
-        col = kind + (0 if self.node[src] == self.node[dst] else _INTER)
-        self._row(delta, src)[col] += nbytes
-        self._row(delta, dst)[col + 1] += nbytes
+    def _kv(self, parts: list, cand, doc, w, old, new) -> None:
+        """K/V edges of worker ``w``'s prefix of ``doc`` growing (or shrinking) from ``old`` to ``new`` rows."""
+        keep = old != new
+        cand, doc, w, old, new = cand[keep], doc[keep], w[keep], old[keep], new[keep]
+        per = self.hptr[doc + 1] - self.hptr[doc]
+        entry, i = expand_ranges(self.hptr[doc], per), np.repeat(np.arange(doc.size), per)
+        off, cnt = self.hoff[entry], self.hcnt[entry]
+        rows = np.clip(new[i] - off, 0, cnt) - np.clip(old[i] - off, 0, cnt)
+        self._edges(parts, cand[i], self.holder[entry], w[i], rows * self.kv_bytes, _KS)
 
-    def _host(self, delta, t: int, w: int, sign: float) -> None:
-        """Compute of tile t on w: local on its Q-home (``_home_local_flops``), remote elsewhere."""
-        row = self._row(delta, w)
-        local = self.home_local[t] if w == self.home[t] else 0.0
-        row[_L] += sign * local
-        row[_X] += sign * (self.compute[t] - local)
+    def _host_parts(self, parts: list, cand, t, src, dst) -> None:
+        """Compute of tiles t leaving src for dst (local on the Q-home, ``_home_local_flops``), move by move."""
+        at_dst = np.where(dst == self.home[t], self.home_local[t], 0.0)
+        at_src = np.where(src == self.home[t], self.home_local[t], 0.0)
+        c = self.compute[t]
+        cols = np.broadcast_to(np.array([_L, _X, _L, _X]), (t.size, 4))
+        parts.append((np.repeat(cand, 4), np.stack([dst, dst, src, src], 1).ravel(), cols.ravel(),
+                      np.stack([at_dst, c - at_dst, -at_src, -(c - at_src)], 1).ravel()))
 
-    def _kv_rows(self, delta, doc: int, dst: int, old: int, new: int) -> None:
-        """K/V edges of ``dst``'s prefix of ``doc`` growing (or shrinking) from ``old`` to ``new`` rows."""
-        if old == new:
-            return
-        for holder, offset, count in self.holders[doc]:
-            rows = min(max(new - offset, 0), count) - min(max(old - offset, 0), count)
-            if rows:
-                self._edge(delta, holder, dst, rows * self.kv_bytes, _KS)
+    def _deltas(self, n: int, parts: list):
+        """(delta [n, W, 10], touched [n, W]) from the contributions."""
+        cand, w, col, val = (np.concatenate(x) for x in zip(*parts))
+        W = self.W
+        delta = np.bincount((cand * W + w) * _NCOL + col, weights=val, minlength=n * W * _NCOL)
+        touched = np.bincount(cand * W + w, minlength=n * W) > 0
+        return delta.reshape(n, W, _NCOL), touched.reshape(n, W)
 
-    def _prefix(self, group: int, w: int) -> int:
-        ends = self.ends.get((group, w))
-        return max(ends) if ends else 0
+    def single_deltas(self, t: np.ndarray, dst: np.ndarray):
+        """(delta, touched) of moving tile t[i] from its worker to dst[i], each move alone."""
+        n = t.size
+        cand, src = np.arange(n, dtype=np.int64), self.assignment[t]
+        parts: list = []
+        self._host_parts(parts, cand, t, src, dst)
+        self._edges(parts, cand, self.home[t], dst, self.q_bytes[t], _QS)
+        self._edges(parts, cand, self.home[t], src, -self.q_bytes[t], _QS)
+        cnt = self.ref_ptr[t + 1] - self.ref_ptr[t]
+        r, ci = expand_ranges(self.ref_ptr[t], cnt), np.repeat(cand, cnt)
+        group, end, doc = self.ref_group[r], self.ref_end[r], self.ref_doc[r]
+        m1, c1, m2 = self._lookup(group, src[ci])
+        self._kv(parts, ci, doc, src[ci], m1, np.where((c1 > 1) | (end < m1), m1, m2))
+        old = self._lookup(group, dst[ci])[0]
+        self._kv(parts, ci, doc, dst[ci], old, np.maximum(old, end))
+        return self._deltas(n, parts)
 
-    def _prefix_without(self, group: int, w: int, end: int) -> int:
-        ends = self.ends[(group, w)]
-        if ends[end] > 1 or end < max(ends):
-            return max(ends)
-        return max((e for e in ends if e != end), default=0)
+    def set_deltas(self, sets: List[tuple]):
+        """(delta, touched) of each move set [(tile, destination), ...] applied as a whole."""
+        n = len(sets)
+        j = np.repeat(np.arange(n, dtype=np.int64), [len(s) for s in sets])
+        t, dst = np.asarray([m for s in sets for m in s], dtype=np.int64).reshape(-1, 2).T
+        src = self.assignment[t]
+        parts: list = []
+        self._host_parts(parts, j, t, src, dst)
+        self._edges(parts, j, self.home[t], dst, self.q_bytes[t], _QS)
+        self._edges(parts, j, self.home[t], src, -self.q_bytes[t], _QS)
+        cnt = self.ref_ptr[t + 1] - self.ref_ptr[t]
+        r = expand_ranges(self.ref_ptr[t], cnt)
+        jr, group = np.repeat(j, cnt), self.ref_group[r]
+        W, Gn = self.W, self.num_groups
+        pair = np.unique(np.concatenate([(jr * Gn + group) * W + np.repeat(w, cnt) for w in (src, dst)]))
+        pj, pg, pw = pair // W // Gn, pair // W % Gn, pair % W
+        per = self.group_ptr[pg + 1] - self.group_ptr[pg]
+        rr = self.group_refs[expand_ranges(self.group_ptr[pg], per)]
+        owner = np.repeat(np.arange(pair.size), per)
+        tile = self.ref_tile[rr]
+        moved = np.sort(j * self.T + t)  # a tile moves at most once per set
+        where = np.argsort(j * self.T + t)
+        k = pj[owner] * self.T + tile
+        i = np.minimum(np.searchsorted(moved, k), moved.size - 1)
+        post = np.where(moved[i] == k, dst[where[i]], self.assignment[tile])
+        val = np.where(post == pw[owner], self.ref_end[rr], 0)
+        new = np.maximum.reduceat(val, np.cumsum(per) - per)
+        self._kv(parts, pj, pg // self.G, pw, self._lookup(pg, pw)[0], new)
+        return self._deltas(n, parts)
 
-    def _delta(self, t: int, src, dst: int) -> Dict[int, np.ndarray]:
-        """Per-worker state change of moving tile t from ``src`` (None: not placed yet) to ``dst``."""
-        delta: Dict[int, list] = {}
-        home, qb = self.home[t], self.q_bytes[t]
-        self._host(delta, t, dst, 1.0)
-        self._edge(delta, home, dst, qb, _QS)
-        if src is not None:
-            self._host(delta, t, src, -1.0)
-            self._edge(delta, home, src, -qb, _QS)
-        for group, end in self.refs[t]:
-            doc = group // self.G
-            if src is not None:
-                self._kv_rows(delta, doc, src, self._prefix(group, src), self._prefix_without(group, src, end))
-            old = self._prefix(group, dst)
-            self._kv_rows(delta, doc, dst, old, max(old, end))
-        return delta
-
-    def _apply(self, delta, t: int, src, dst: int) -> None:
-        for w, row in delta.items():
-            self.state[w] += row
-        self._reselect(t, src, dst)
-
-    def _reselect(self, t: int, src, dst: int) -> None:
-        """Move tile t's prefix selections (``ends``, ``fetchers``) from ``src`` to ``dst``."""
-        for group, end in self.refs[t]:
-            if src is not None:
-                ends = self.ends[(group, src)]
-                ends[end] -= 1
-                if not ends[end]:
-                    del ends[end]
-                if not ends:
-                    self.fetchers[group].discard(src)
-            self.ends[(group, dst)][end] = self.ends[(group, dst)].get(end, 0) + 1
-            self.fetchers[group].add(dst)
-        self.assignment[t] = dst
+    def score(self, deltas, touched, times: np.ndarray, star: int):
+        """(new max over workers [n], new time of ``star`` [n], all new times [n, W]) after each candidate."""
+        ci, wi = np.nonzero(touched)
+        new = np.repeat(times[None, :], deltas.shape[0], axis=0)
+        new[ci, wi] = self.seconds(self.state[wi] + deltas[ci, wi])
+        return new.max(axis=1), new[:, star], new
 
     def move(self, t: int, dst: int) -> None:
-        src = self.assignment[t]
-        if src == dst:  # (``_delta`` prices a move to another worker)
+        self.apply(((int(t), int(dst)),))
+
+    def apply(self, moves) -> None:
+        """Move tiles [(tile, destination), ...] one after another: the bytes of the whole set (integers, exact in
+        any order), the compute move by move (the float sums of moving them one at a time)."""
+        moves = tuple((int(t), int(d)) for t, d in moves if int(self.assignment[t]) != int(d))
+        if not moves:
             return
-        self._apply(self._delta(t, src, dst), t, src, dst)
+        delta, _ = self.set_deltas([moves])
+        self.state[:, :_L] += delta[0][:, :_L]
+        pairs = set()
+        for t, dst in moves:
+            src, home = int(self.assignment[t]), int(self.home[t])
+            at_dst = self.home_local[t] if dst == home else 0.0
+            at_src = self.home_local[t] if src == home else 0.0
+            self.state[dst, _L] += at_dst
+            self.state[dst, _X] += self.compute[t] - at_dst
+            self.state[src, _L] += -at_src
+            self.state[src, _X] += -(self.compute[t] - at_src)
+            self.assignment[t] = dst
+            for group in self.ref_group[self.ref_ptr[t]:self.ref_ptr[t + 1]].tolist():
+                pairs.update(((group, src), (group, dst)))
+        for group, w in sorted(pairs):
+            self._reprefix(group, w)
 
 
 def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray:
@@ -239,120 +335,89 @@ def worker_times(tiles: TileSet, assignment, model: StepTimeModel) -> np.ndarray
     return plan_worker_seconds(build_exchange_plan(tiles, np.asarray(assignment, dtype=np.int64), model), model)
 
 
-def _largest(items, key, limit: int) -> List[int]:
-    return sorted(items, key=key, reverse=True)[:limit]
+def _candidate_tiles(pool: _PoolTraffic, star: int, limit: int) -> np.ndarray:
+    """Tiles whose traffic or compute touches worker ``star`` (module docstring), a few of each kind, largest
+    first (ties: hosted and homed by tile id, fetching by the first document held by ``star``, then id)."""
+    a = pool.assignment
+    on = np.flatnonzero(a == star)
+    hosted = on[np.argsort(-(pool.compute[on] + pool.q_bytes[on] * 1e-15), kind="stable")[:limit]]
+    away = np.flatnonzero((pool.home == star) & (a != star))
+    homed = away[np.argsort(-pool.q_bytes[away], kind="stable")[:limit]]
+    held = np.zeros(pool.tiles.num_docs, dtype=bool)
+    held[pool.holder_doc[pool.holder == star]] = True
+    sel = np.flatnonzero(held[pool.ref_doc] & (a[pool.ref_tile] != star))
+    fetch = sel[:0]
+    if sel.size:
+        start = _segments(pool.ref_tile[sel])
+        tile = pool.ref_tile[sel][start]
+        longest = np.maximum.reduceat(pool.ref_end[sel], start)
+        first_doc = np.minimum.reduceat(pool.ref_doc[sel], start)
+        fetch = tile[np.lexsort((tile, first_doc, -longest))[:limit]]
+    return np.unique(np.concatenate([hosted, homed, fetch]))
 
 
-def _candidate_tiles(pool: _PoolTraffic, star: int, by_worker, by_home, by_doc, limit: int) -> List[int]:
-    """Tiles whose traffic or compute touches worker ``star`` (module docstring), a few of each kind."""
-    hosted = _largest(by_worker[star], lambda t: pool.compute[t] + pool.q_bytes[t] * 1e-15, limit)
-    homed = _largest([t for t in by_home[star] if pool.assignment[t] != star], lambda t: pool.q_bytes[t],
-                     limit)
-    fetching = {}
-    for doc in by_doc[star]:
-        for t in by_doc[("tiles", doc)]:
-            if pool.assignment[t] != star:
-                fetching[t] = max(fetching.get(t, 0), max(e for g, e in pool.refs[t] if g // pool.G == doc))
-    fetch = _largest(fetching, lambda t: fetching[t], limit)
-    return list(dict.fromkeys(hosted + homed + fetch))
+def _destinations(pool: _PoolTraffic, cands: np.ndarray, star: int, times: np.ndarray, light: np.ndarray):
+    """(tiles, destinations) of the single moves: each tile to its Q-home, w*, the lightest workers (``light``:
+    ascending time), the lightest of w*'s node and of its home node, and the lightest that already fetched
+    enough of its longest group (ties by id)."""
+    node, W = pool.node, pool.W
+    lightest = light[:_LIGHTEST].tolist()
+    on_node = {}
+    for n in np.unique(node).tolist():
+        on_node[n] = light[node[light] == n][:_LIGHTEST].tolist()
+    near = on_node[int(node[star])]
+    out_t, out_d = [], []
+    for t in cands.tolist():
+        home, top = int(pool.home[t]), int(pool.top_ref[t])
+        have = []
+        if top >= 0:
+            group, end = int(pool.ref_group[top]), pool.ref_end[top]
+            lo, hi = np.searchsorted(pool._key, (group * W, group * W + W))
+            ok = (pool._c1[lo:hi] > 0) & (pool._m1[lo:hi] >= end)
+            ws = pool._key[lo:hi][ok] - group * W
+            have = ws[np.argsort(times[ws], kind="stable")[:_LIGHTEST]].tolist()
+        dests = dict.fromkeys([home, star] + lightest + near + on_node[int(node[home])] + have)
+        dests.pop(int(pool.assignment[t]), None)
+        out_t += [t] * len(dests)
+        out_d += list(dests)
+    return np.asarray(out_t, dtype=np.int64), np.asarray(out_d, dtype=np.int64)
 
 
-def _destinations(pool: _PoolTraffic, t: int, star: int, times: np.ndarray, light: List[int]) -> List[int]:
-    """Where tile t may go: its Q-home, w*, the lightest workers (``light``: ascending time), the lightest
-    of w*'s node and of t's home node, and the lightest that already fetched enough of t's longest group."""
-    lightest = light[:_LIGHTEST]
-    near = [w for w in light if pool.node[w] == pool.node[star]][:_LIGHTEST]
-    home_near = [w for w in light if pool.node[w] == pool.node[pool.home[t]]][:_LIGHTEST]
-    group, end = max(pool.refs[t], key=lambda ge: ge[1]) if pool.refs[t] else (None, 0)
-    have = [w for w in pool.fetchers.get(group, ()) if pool._prefix(group, w) >= end] if group is not None else []
-    have = sorted(have, key=lambda w: times[w])[:_LIGHTEST]
-    out = dict.fromkeys([pool.home[t], star] + lightest + near + home_near + have)
-    out.pop(pool.assignment[t], None)
-    return list(out)
-
-
-def _index(pool: _PoolTraffic):
-    """Tiles by destination, by Q-home, and by document; documents by the workers holding their rows."""
-    by_worker, by_home, by_doc = defaultdict(set), defaultdict(list), defaultdict(list)
-    for t, (w, h) in enumerate(zip(pool.assignment, pool.home)):
-        by_worker[w].add(t)
-        by_home[h].append(t)
-        for group, _ in pool.refs[t]:
-            by_doc[("tiles", group // pool.G)].append(t)
-    for doc, runs in enumerate(pool.holders):
-        for holder, _, _ in runs:
-            by_doc[holder].append(doc)
-    return by_worker, by_home, by_doc
-
-
-def _trial(pool: _PoolTraffic, moves) -> Tuple[List[int], np.ndarray]:
-    """(touched workers, their state rows [n, 10]) after ``moves`` [(tile, destination)]; the pool is left
-    unchanged (only the prefix selections move while a multi-tile set is priced, and they move back)."""
-    total: Dict[int, list] = {}
-    done = []
-    for i, (t, dst) in enumerate(moves):
-        src = pool.assignment[t]
-        for w, row in pool._delta(t, src, dst).items():
-            acc = total.get(w)
-            if acc is None:
-                total[w] = row
-            else:
-                for k in range(_NCOL):
-                    acc[k] += row[k]
-        if i + 1 < len(moves):  # later moves of the set see this one's prefix selections
-            pool._reselect(t, src, dst)
-            done.append((t, src, dst))
-    for t, src, dst in reversed(done):
-        pool._reselect(t, dst, src)
-    workers = list(total)
-    return workers, pool.state[workers] + np.asarray([total[w] for w in workers])
-
-
-def _extended_sets(pool: _PoolTraffic, t: int, dst: int, by_worker) -> List[tuple]:
+def _extended_sets(pool: _PoolTraffic, t: int, dst: int) -> List[tuple]:
     """Moving t to dst together with the tiles of its source that share its longest group (one fetch less),
     and as swaps with the tiles of dst closest to t in compute (keeps the FLOPs balance)."""
-    src = pool.assignment[t]
+    a = pool.assignment
+    src, top = int(a[t]), int(pool.top_ref[t])
     out = []
-    if pool.refs[t]:
-        group = max(pool.refs[t], key=lambda ge: ge[1])[0]
-        mates = [s for s in by_worker[src] if s != t and any(g == group for g, _ in pool.refs[s])]
-        if mates:
-            out.append(tuple((s, dst) for s in [t] + sorted(mates)))
-    there = sorted(by_worker[dst], key=lambda s: (abs(pool.compute[s] - pool.compute[t]), s))[:_SWAPS]
-    return out + [((t, dst), (s, src)) for s in there]
+    if top >= 0:
+        group = int(pool.ref_group[top])
+        mates = pool.ref_tile[pool.group_refs[pool.group_ptr[group]:pool.group_ptr[group + 1]]]
+        mates = np.unique(mates[(a[mates] == src) & (mates != t)])
+        if mates.size:
+            out.append(tuple((s, dst) for s in [t] + mates.tolist()))
+    there = np.flatnonzero(a == dst)
+    there = there[np.lexsort((there, np.abs(pool.compute[there] - pool.compute[t])))[:_SWAPS]]
+    return out + [((t, dst), (s, src)) for s in there.tolist()]
 
 
-def _score(pool: _PoolTraffic, move_sets, star: int, times: np.ndarray, order: List[int]) -> list:
-    """[(new max over workers, new time of star, moves)] after each move set, priced in one batch."""
-    trials = [_trial(pool, moves) for moves in move_sets]
-    if not trials:
-        return []
-    seconds = pool.seconds(np.concatenate([rows for _, rows in trials]))
-    out, i = [], 0
-    for (workers, _), moves in zip(trials, move_sets):
-        new = seconds[i:i + len(workers)].tolist()
-        i += len(workers)
-        rest = next((times[w] for w in order if w not in workers), 0.0)
-        star_time = new[workers.index(star)] if star in workers else float(times[star])
-        out.append((max(max(new), float(rest)), star_time, moves))
-    return out
-
-
-def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, index, width: Tuple[int, int]):
-    """(new max, new time of star, moves) of the best candidate move set, or None. Single moves of
+def _best_move(pool: _PoolTraffic, star: int, times: np.ndarray, width: Tuple[int, int]) -> Optional[tuple]:
+    """(new max, new time of star, moves, new times [W] of a single move else None) of the best candidate move
+    set, or None. Single moves of
     ``width[0]`` tiles per kind are scored first; the ``width[1]`` best of them are retried as group moves and
-    swaps."""
-    by_worker, by_home, by_doc = index
-    order = np.argsort(-times, kind="stable").tolist()
-    light = order[::-1]
-    singles = _score(pool, [((t, dst),) for t in _candidate_tiles(pool, star, by_worker, by_home, by_doc, width[0])
-                            for dst in _destinations(pool, t, star, times, light)], star, times, order)
-    if not singles:
+    swaps. Ties: the lowest (tile, destination) moves."""
+    light = np.argsort(-times, kind="stable")[::-1]
+    t, dst = _destinations(pool, _candidate_tiles(pool, star, width[0]), star, times, light)
+    if not t.size:
         return None
-    singles.sort(key=lambda k: (k[0], k[1], k[2]))
-    extended = _score(pool, [moves for _, _, ((t, dst),) in singles[:width[1]]
-                             for moves in _extended_sets(pool, t, dst, by_worker)], star, times, order)
-    return min(singles[:1] + extended, key=lambda k: (k[0], k[1], k[2]))
+    new_max, star_time, new = pool.score(*pool.single_deltas(t, dst), times, star)
+    order = np.lexsort((dst, t, star_time, new_max))
+    i = order[0]
+    best = [(float(new_max[i]), float(star_time[i]), ((int(t[i]), int(dst[i])),), new[i])]
+    sets = [s for i in order[:width[1]].tolist() for s in _extended_sets(pool, int(t[i]), int(dst[i]))]
+    if sets:
+        new_max, star_time, _ = pool.score(*pool.set_deltas(sets), times, star)
+        best += [(float(m), float(s), moves, None) for m, s, moves in zip(new_max, star_time, sets)]
+    return min(best, key=lambda k: (k[0], k[1], k[2]))
 
 
 def time_moves(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel, max_rounds: int,
@@ -362,19 +427,17 @@ def time_moves(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel, max
     no improving move. Unchecked: callers keep the result only when the exchange plans price it faster
     (``refine_for_time``, ``plan.tiles.placement``'s dense placement)."""
     pool = _PoolTraffic(tiles, np.asarray(assignment, dtype=np.int64), model)
-    index = _index(pool)
+    times = pool.seconds(pool.state)
     for _ in range(max_rounds):
-        times = pool.seconds(pool.state)
         star = int(np.argmax(times))
         cur = float(times[star])
-        best = _best_move(pool, star, times, index, width)
+        best = _best_move(pool, star, times, width)
         if best is None or not (best[0] < cur * (1 - _EPS) or (best[0] <= cur and best[1] < cur * (1 - 1e-9))):
             break
-        for t, dst in best[2]:
-            index[0][pool.assignment[t]].discard(t)
-            index[0][dst].add(t)
-            pool.move(t, dst)
-    return np.asarray(pool.assignment, dtype=np.int64)
+        pool.apply(best[2])
+        # a single move's state rows are the ones it was priced with (same sums): its times are the next round's
+        times = best[3] if best[3] is not None else pool.seconds(pool.state)
+    return pool.assignment.copy()
 
 
 def refine_for_time(tiles: TileSet, assignment: np.ndarray, model: StepTimeModel) -> np.ndarray:

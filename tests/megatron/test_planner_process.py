@@ -1,0 +1,122 @@
+"""The planner in its own process (issue 25): the same plans as in a thread, and start-up, a failing plan, a crash
+of the process, a hang and shutdown each end in one ``PlannerError`` line naming the pool, never a hang."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from libra_megatron.config import LibraConfig
+from libra_megatron.megatron.planner import BackgroundPlanner, PlannerError
+from libra_megatron.plan.errors import PlanError
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.pool import plan_pool
+
+L, CP, P = 64, 2, 2
+CONFIG = LibraConfig(pool_size=P, head_split=2, num_chunks=2, block_size=8, token_layout="zigzag")
+LAYOUT = TokenLayout("zigzag", L, CP)
+HEADS = HeadLayout(8, 2, 16, 2, 2, elem_bytes=2)
+POOL_A = [[40, 3, 21], [64]]
+POOL_B = [[10] * 6 + [4], [1, 63]]
+CRASH = [[1] * 64, [64]]  # the pools the stand-in plan functions below treat specially
+HANG = [[2] * 32, [64]]
+
+
+def crash_or_hang_plan(segments, *args, **kwargs):
+    """Module level so that it pickles into the spawned process."""
+    if segments == [list(s) for s in CRASH]:
+        os._exit(3)
+    if segments == [list(s) for s in HANG]:
+        time.sleep(120)
+    return plan_pool(segments, *args, **kwargs)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0]
+
+
+def test_the_process_planner_serves_the_threads_plans_and_rank_plans():
+    direct = {id(p): plan_pool(p, CONFIG, LAYOUT, HEADS).fingerprint for p in (POOL_A, POOL_B)}
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", worker=3, timeout_s=120) as planner:
+        assert planner.warm_up() > 0
+        planner.submit_many([POOL_A, POOL_B])
+        for pool in (POOL_B, POOL_A):
+            planned = planner.get_pool(pool)
+            assert planned.pool_plan.fingerprint == direct[id(pool)]
+            assert planned.latency_s > 0 and planned.rank_ready_s is not None
+        plan = planner.get(POOL_A, position=1, cp_rank=1)
+        assert plan.rank == 3 and plan.local_tokens == L // CP
+        assert planner.plans_made == 3 and len(planner.latencies()) == 3  # warm-up + two pools, each once
+        assert planner.latest_metrics()["planner_latency_s"] > 0
+    assert not planner._process.is_alive()
+
+
+def test_a_failing_plan_in_the_process_raises_its_error_at_get_and_the_process_keeps_serving():
+    bad_pool = [[30, 30], [64]]  # sums to 60, not L = 64
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", timeout_s=120) as planner:
+        with pytest.raises(PlannerError) as info:
+            planner.get_pool(bad_pool)
+        assert isinstance(info.value.__cause__, (PlanError, ValueError))
+        assert "background planner failed for pool" in _first_line(info.value)
+        assert planner.get_pool(POOL_A).pool_plan.fingerprint
+
+
+def test_a_crashed_planner_process_fails_every_pending_pool_with_its_exit_code():
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", plan_fn=crash_or_hang_plan,
+                           timeout_s=120) as planner:
+        planner.get_pool(POOL_A)  # started and serving
+        planner.submit_many([CRASH, POOL_B])
+        start = time.perf_counter()
+        for pool in (CRASH, POOL_B):
+            with pytest.raises(PlannerError) as info:
+                planner.get_pool(pool)
+            line = _first_line(info.value)
+            assert "failed for pool" in line and "exit code 3" in line, line
+        assert time.perf_counter() - start < 30
+        with pytest.raises(PlannerError, match="exit code 3"):  # a pool submitted after the crash, too
+            planner.get_pool([[64], [64]], timeout=30)
+
+
+def test_a_hung_planner_process_times_out_and_close_stops_it():
+    planner = BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", plan_fn=crash_or_hang_plan, timeout_s=120)
+    planner.get_pool(POOL_A)
+    with pytest.raises(PlannerError, match=r"did not finish pool \w+ within 1.0s \(process alive\)"):
+        planner.get_pool(HANG, timeout=1.0)
+    start = time.perf_counter()
+    planner.close()
+    assert time.perf_counter() - start < 20 and not planner._process.is_alive()
+    with pytest.raises(PlannerError, match="closed"):
+        planner.submit(POOL_B)
+
+
+def test_mode_is_checked():
+    with pytest.raises(ValueError, match="mode must be 'thread' or 'process'"):
+        BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="fork")
+
+
+def test_microbatch_metrics_read_the_planners_placements_and_place_nothing_again(monkeypatch):
+    """Issue 25: the window's after-TAP loads come from the planner's plans (its own pools are cache hits, the
+    others are planned by it, behind training's pools); ``metrics`` places no pool itself."""
+    from libra_megatron.megatron import metrics
+
+    window = [[16], [8, 8], [4] * 4, [16], [2] * 8, [12, 4], [1] * 16, [8, 4, 4]]
+    order = [3, 4, 0, 6, 1, 2, 5, 7]
+    config = LibraConfig(pool_size=2, head_split=1, num_chunks=1, block_size=4, token_layout="contiguous",
+                         tiling="uniform")
+    layout, heads = TokenLayout("contiguous", 16, 1), HeadLayout(2, 2, 8, 1, 1)
+    expected = metrics.microbatch_metrics(window, order, 4, config, layout, heads)
+    placed = []
+    real = metrics._worst_worker_load
+    monkeypatch.setattr(metrics, "_worst_worker_load",
+                        lambda pool, cfg, *a: placed.append(cfg.tile_placement.value) or real(pool, cfg, *a))
+    with BackgroundPlanner(config, layout, heads, mode="process", timeout_s=120) as planner:
+        own = [window[i] for i in order[:2]]
+        planner.submit(own)
+        planner.get_pool(own)  # this rank's pool: planned once, read again by the metrics
+        got = metrics.microbatch_metrics(window, order, 4, config, layout, heads, plans=planner.get_for_metrics)
+        assert planner.plans_made == 4  # the window's 4 pools, each once
+        values = planner.latest_metrics()
+    assert got == pytest.approx(expected)
+    assert set(placed) == {"home"}  # only the sampler-order pools at their Q-homes (no placement search)
+    assert values["planner_wait_ms"] > 0 and values["planner_lead_windows"] == 0.0  # waited; nothing ready ahead
