@@ -7,7 +7,7 @@ compute. Fitted with CUDA events (median of reps, after a warm-up), by the same 
               seconds = launch + entries x per_entry + 4 d pairs x heads / rate, fwd and bwd apart
     copies    index_select / index_put_ / index_add_ of Q and K|V rows: seconds = launch + 2 bytes / rate
 Predicted: ``plan.exchange.plan_layer_timing`` of a real-trace P=1 pool under the fitted ``StepTimeModel`` (the
-backward with a model copy at the fitted bwd rate x BACKWARD_FLOPS_FACTOR, as on CPU); measured: CUDA events around
+backward at its own fitted rate, ``attn_bwd_tflops``, as on CPU); measured: CUDA events around
 ``libra_attn_func`` forward and forward+backward (backward = the difference). The exchange part of the model
 (alpha, beta, coupling) needs several GPUs; ``bench_step_model_cpu.py`` checks it on gloo. Not required to pass on
 CPU: ``--dry-run`` runs the same code at tiny shapes.
@@ -18,7 +18,6 @@ CPU: ``--dry-run`` runs the same code at tiny shapes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -55,7 +54,7 @@ def kernel_samples(ctx, heads, plan, samples: int, reps: int):
     """[(entries, pairs x heads, fwd s, bwd s)] of sub-runs of the pool's chunk call (CUDA events)."""
     from bench_step_model_cpu import _kernel_shape, call_shapes
 
-    from libra_megatron.plan.exchange.schedule import entry_pairs
+    from libra_megatron.plan.exchange import entry_pairs
     from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend
 
     shapes, rng = call_shapes([plan]), np.random.default_rng(0)
@@ -87,15 +86,15 @@ def copy_samples(ctx, heads, rows, reps: int):
     return out
 
 
-def _models(fits, d: int):
+def _model(fits, d: int):
+    """``StepTimeModel`` with the fitted rates (the backward's own rate on its 2.5x FLOPs: ``attn_bwd_tflops``)."""
     from libra_megatron.plan.model import BACKWARD_FLOPS_FACTOR, StepTimeModel
 
     (fl, fe, fr, _), (bl, be, br, _) = fits["kernels"]["fwd"], fits["kernels"]["bwd"]
     c_launch, c_gbps, _ = fits["copies"]["all"]
-    fwd = StepTimeModel(d, attn_tflops=fr / 1e3, worker_nodes=(0,), kernel_launch_us=fl, kernel_entry_us=fe,
-                        copy_gbps=c_gbps, copy_launch_us=c_launch)
-    return fwd, dataclasses.replace(fwd, attn_tflops=br * BACKWARD_FLOPS_FACTOR / 1e3, kernel_launch_us=bl,
-                                    kernel_entry_us=be)
+    return StepTimeModel(d, attn_tflops=fr / 1e3, worker_nodes=(0,), kernel_launch_us=fl, kernel_entry_us=fe,
+                         copy_gbps=c_gbps, copy_launch_us=c_launch, attn_bwd_tflops=br * BACKWARD_FLOPS_FACTOR / 1e3,
+                         bwd_kernel_launch_us=bl, bwd_kernel_entry_us=be)
 
 
 def _measured(ctx, heads, rank_plan, L: int, reps: int):
@@ -122,7 +121,7 @@ def section_step_model(ctx) -> dict:
     heads, plan, segs = _pool(ctx, sh)
     fits = {"kernels": fit_kernels(kernel_samples(ctx, heads, plan, sh["samples"], reps), heads.head_dim),
             "copies": fit_copies(copy_samples(ctx, heads, sh["copy_rows"], reps))}
-    models = _models(fits, heads.head_dim)
+    model = _model(fits, heads.head_dim)
     out = {"pool": f"P=1 CP=1, {sh['seq_len']} tokens ({len(segs)} documents), hq={sh['hq']} hkv={sh['hkv']} "
                    f"d={sh['d']} H={sh['H']} M={sh['M']} B={sh['block']}, tiles at home, bf16",
            "fits": {"kernel_" + k: dict(zip(("launch_us", "entry_us", "gflops", "mare"), v))
@@ -132,8 +131,8 @@ def section_step_model(ctx) -> dict:
     rank_plan = plan.for_rank(0)
     meas = _measured(ctx, heads, rank_plan, sh["seq_len"], reps)
     for mode in ("arranged", "refetch"):
-        pred = (float(plan_layer_timing(plan, models[0], mode, "pool").forward.seconds[0]),
-                float(plan_layer_timing(plan, models[1], mode, "pool").backward.seconds[0]))
+        timing = plan_layer_timing(plan, model, mode, "pool")
+        pred = (float(timing.forward.seconds[0]), float(timing.backward.seconds[0]))
         out[mode] = {"predicted_fwd_s": pred[0], "predicted_bwd_s": pred[1]}
     out["measured_fwd_s"], out["measured_bwd_s"] = meas  # libra_attn_func's default save mode: arranged
     out["measured_over_predicted"] = {"fwd": meas[0] / out["arranged"]["predicted_fwd_s"],
