@@ -134,7 +134,7 @@ class BackgroundPlanner:
         self._per_window = max(1, int(pools_per_window))
         self._low: "collections.deque[str]" = collections.deque()  # metrics' pools: planned when nothing else is
         self._in_flight = 0  # pools handed to the process and not back yet
-        self._waited_s = 0.0  # seconds get() blocked since the last latest_metrics()
+        self._waited_s, self._lead = 0.0, 0.0  # the last get_pool's wait (s) and plans ready ahead of it (windows)
         if mode == "process":
             self._start_process()
         self._thread = threading.Thread(target=self._run if mode == "thread" else self._send,
@@ -157,18 +157,22 @@ class BackgroundPlanner:
     def get_pool(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
         """The finished plan of a pool (queued now if it was never submitted). Raises PlannerError on failure."""
         key, slot = self._slot_for(pool_segments, owed=-1)
+        with self._lock:  # plans ready ahead of this get (this one included), in windows
+            lead = sum(1 for s in self._slots.values() if s.done.is_set() and s.error is None and s.gets_owed)
         begin = time.perf_counter()
         try:
             self._wait(key, slot, self._timeout_s if timeout is None else float(timeout))
         finally:
             with self._lock:
-                self._waited_s += time.perf_counter() - begin
+                self._waited_s, self._lead = time.perf_counter() - begin, lead / self._per_window
         if slot.error is not None:
             raise PlannerError(
                 f"background planner failed for pool {key} (segments per sequence: "
                 f"{[len(s) for s in slot.segments]}): {type(slot.error).__name__}: {slot.error}\n"
                 f"--- planner thread traceback ---\n{slot.error_text}"
             ) from slot.error
+        with self._lock:  # the plan training runs next: what the step's metrics describe
+            self._last = slot.result
         return slot.result
 
     def get_for_metrics(self, pool_segments: Sequence[Sequence[int]], timeout: Optional[float] = None) -> PlannedPool:
@@ -203,7 +207,6 @@ class BackgroundPlanner:
         self.get_pool([[L - 1, 1] if L > 1 else [L]] * self.config.pool_size)
         return time.perf_counter() - start
 
-    # ------------------------------------------------------------------ metrics / lifecycle
     def latencies(self) -> list:
         """Planner latencies (seconds) of every plan finished so far, in completion order."""
         with self._lock:
@@ -214,17 +217,15 @@ class BackgroundPlanner:
             return self._last
 
     def latest_metrics(self) -> Dict[str, float]:
-        """Metrics of the most recently finished pool plan (see ``metrics.pool_plan_metrics``)."""
+        """Metrics (``metrics.pool_plan_metrics``) of the plan training got last (``get_pool``): the step's own."""
         from .metrics import pool_plan_metrics
 
         last = self.latest()
         if last is None:
             return {}
         out = pool_plan_metrics(last.pool_plan, planner_latency_s=last.latency_s)
-        with self._lock:  # plans ready and still owed a get, in windows; training's wait since the last call
-            ready = sum(1 for s in self._slots.values() if s.done.is_set() and s.error is None and s.gets_owed)
-            out["planner_lead_windows"] = ready / self._per_window
-            out["planner_wait_ms"], self._waited_s = self._waited_s * 1e3, 0.0
+        with self._lock:  # snapshots of the last get: the same values however often they are read
+            out["planner_lead_windows"], out["planner_wait_ms"] = self._lead, self._waited_s * 1e3
         for mode, per_rank in (last.saved_bytes or {}).items():  # predicted, worst rank, one layer
             out[f"saved_bytes_{mode}_max"] = float(np.max(per_rank, initial=0))
         if last.save_mode is not None:
@@ -351,7 +352,6 @@ class BackgroundPlanner:
             if result is not None:
                 slot.result = result
                 self._latencies.append(result.latency_s)
-                self._last = result
         slot.done.set()
 
     def _materialise_rank(self, plan, submitted: float) -> Optional[float]:

@@ -9,6 +9,7 @@ import pickle
 import sys
 import time
 import traceback
+from typing import Sequence
 
 import numpy as np
 
@@ -92,12 +93,22 @@ def spawn_planner(spec: tuple):
                           daemon=True)
     main = sys.modules.get("__main__")
     hidden = {k: main.__dict__.get(k) for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    # A trainer that is itself a daemonic multiprocessing child (some launchers, the CPU test harness) may not
+    # start children: multiprocessing forbids it because a daemon dies without joining them. The planner exits as
+    # soon as its task pipe reaches EOF (the trainer is gone), so it cannot outlive the trainer; lift the flag for
+    # the start only.
+    me = multiprocessing.current_process()
+    daemonic = bool(me._config.get("daemon"))
     try:  # the child must not re-import the training script (spawn would run it as __mp_main__)
         if main is not None:
             main.__dict__.pop("__file__", None)
             main.__spec__ = None
+        if daemonic:
+            me._config["daemon"] = False
         process.start()
     finally:
+        if daemonic:
+            me._config["daemon"] = True
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(hidden)

@@ -120,3 +120,31 @@ def test_microbatch_metrics_read_the_planners_placements_and_place_nothing_again
     assert got == pytest.approx(expected)
     assert set(placed) == {"home"}  # only the sampler-order pools at their Q-homes (no placement search)
     assert values["planner_wait_ms"] > 0 and values["planner_lead_windows"] == 0.0  # waited; nothing ready ahead
+
+
+def _plan_in_a_daemonic_child(queue):
+    """A daemonic multiprocessing child (as the CPU harness's ranks are) starts a process planner and plans."""
+    try:
+        from libra_megatron.config import LibraConfig
+        from libra_megatron.megatron.planner import BackgroundPlanner
+        from libra_megatron.plan.layout import HeadLayout, TokenLayout
+
+        config = LibraConfig(pool_size=2, head_split=1, block_size=8, num_chunks=1)
+        with BackgroundPlanner(config, TokenLayout("zigzag", 32, 2), HeadLayout(4, 2, 8, 1, 1), mode="process",
+                               timeout_s=120) as planner:
+            planned = planner.get_pool([[20, 12], [32]])
+        queue.put(("ok", planned.pool_plan.exchange.num_workers))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_daemonic_trainer_can_start_its_planner_process():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_plan_in_a_daemonic_child, args=(queue,), daemon=True)
+    child.start()
+    status, value = queue.get(timeout=240)
+    child.join(timeout=60)
+    assert (status, value) == ("ok", 4)
