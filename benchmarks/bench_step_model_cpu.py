@@ -342,15 +342,15 @@ def print_fits(fits, W: int):
 def predict(plan, model, mode: str):
     """float64 [W, 2 phases, 4]: (seconds, kernels, copies, exposed) per rank and phase under ``model``."""
     from libra_megatron.plan.exchange import layer_ops, plan_layer_timing
-    from libra_megatron.plan.model import Copy, Kernel, copy_op_seconds, kernel_op_seconds
+    from libra_megatron.plan.model import Copy, Kernel, OpCosts
 
     ops = layer_ops(plan, mode, "pool")
     out = np.zeros((plan.num_workers, 2, 4))
-    timing = plan_layer_timing(plan, model, mode, "pool")
+    timing, costs = plan_layer_timing(plan, model, mode, "pool"), OpCosts(model)
     for p, (phase, phase_ops) in enumerate(((timing.forward, ops.forward), (timing.backward, ops.backward))):
         for r, rank_ops in enumerate(phase_ops):
-            kern = sum(kernel_op_seconds(op, model) for op in rank_ops if isinstance(op, Kernel))
-            copy = sum(copy_op_seconds(op, model) for op in rank_ops if isinstance(op, Copy))
+            kern = sum(costs.kernel(op) for op in rank_ops if isinstance(op, Kernel))
+            copy = sum(costs.copy(op) for op in rank_ops if isinstance(op, Copy))
             out[r, p] = (phase.seconds[r], kern, copy, phase.exposed[r])
     return out
 

@@ -30,12 +30,10 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import BACKWARD_FLOPS_FACTOR, GB, StepTimeModel
+from ..plan.model import BACKWARD_FLOPS_FACTOR, GB, US, StepTimeModel
 
 __all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_layer_seconds", "ulysses_comm_bytes",
            "ulysses_call_seconds", "wlb_repack"]
-
-US = 1e-6  # seconds per microsecond (the latencies are in us)
 
 
 def sequence_pair_heads(segments: Sequence[np.ndarray], num_q_heads: int) -> np.ndarray:

@@ -45,12 +45,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import BACKWARD_FLOPS_FACTOR, StepTimeModel
+from ..plan.model import BACKWARD_FLOPS_FACTOR, US, StepTimeModel
 
 __all__ = ["HybridCpBaseline", "HybridCpDims", "price_schedule", "subprocess_scheduler", "ring_document_seconds",
            "ring_layer_seconds", "BASELINE_MODULE"]
 
-US = 1e-6  # seconds per microsecond (the latencies are in us)
 
 BASELINE_MODULE = "libra_megatron.megatron.hybrid_cp_baseline"
 Schedule = List[List[List[int]]]  # groups x GPUs x document indices

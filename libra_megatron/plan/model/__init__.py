@@ -14,12 +14,12 @@ Pure numpy; imports nothing else of ``plan`` (every other room may import this o
 from .calibration import CalibrationTable
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from .memory import choose_save_mode, hosted_units, predicted_saved_bytes, saved_bytes_per_rank
-from .events import OpCosts, PhaseTiming, copy_op_seconds, kernel_op_seconds, price_ops
+from .events import OpCosts, PhaseTiming, price_ops
 from .ops import POOL, RELAY, Copy, Exchange, Kernel, Wait, op_keys
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
                     DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                     DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US,
-                    GB, TFLOP)
+                    GB, TFLOP, US)
 from .timing import RelayTiming, StepTimeModel, best_lead, link_seconds, pipeline_seconds
 from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expected_imbalance,
                        entry_pair_heads, imbalance, pool_lower_bound, pool_lower_bound_counting, sequence_flops,
@@ -28,10 +28,10 @@ from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expe
 __all__ = [
     "CalibrationTable", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
     "choose_save_mode", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank",
-    "OpCosts", "PhaseTiming", "copy_op_seconds", "kernel_op_seconds", "price_ops", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
+    "OpCosts", "PhaseTiming", "price_ops", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_COLLECTIVE_US", "DEFAULT_COPY_GBPS", "DEFAULT_COPY_LAUNCH_US", "DEFAULT_INTER_MESSAGE_US",
     "DEFAULT_INTRA_MESSAGE_US", "DEFAULT_KERNEL_ENTRY_US", "DEFAULT_KERNEL_LAUNCH_US",
-    "DEFAULT_ATTN_TFLOPS", "DEFAULT_GPUS_PER_NODE", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_INTRA_NODE_GBPS", "GB", "TFLOP",
+    "DEFAULT_ATTN_TFLOPS", "DEFAULT_GPUS_PER_NODE", "DEFAULT_INTER_NODE_GBPS", "DEFAULT_INTRA_NODE_GBPS", "GB", "TFLOP", "US",
     "RelayTiming", "StepTimeModel", "best_lead", "link_seconds", "pipeline_seconds",
     "attention_flops", "causal_pairs", "check_pool_split", "clt_expected_imbalance",
     "entry_pair_heads", "imbalance", "pool_lower_bound", "pool_lower_bound_counting", "sequence_flops",

@@ -41,7 +41,7 @@ import numpy as np
 from .ops import Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
-__all__ = ["PhaseTiming", "price_ops", "OpCosts", "kernel_op_seconds", "copy_op_seconds", "message_done_seconds",
+__all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds",
            "exchange_link_seconds"]
 
 
@@ -88,14 +88,6 @@ class OpCosts:
 
     def copy(self, op: Copy) -> float:
         return 0.0 if op.nbytes == 0 else self.copy_launch + op.nbytes * self.copy_per_byte
-
-
-def kernel_op_seconds(op: Kernel, model) -> float:
-    return OpCosts(model).kernel(op)
-
-
-def copy_op_seconds(op: Copy, model) -> float:
-    return OpCosts(model).copy(op)
 
 
 def _fair_sums(S: np.ndarray) -> np.ndarray:
