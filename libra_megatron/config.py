@@ -181,7 +181,9 @@ class LibraConfig:
     """What the operator keeps for backward: auto | arranged | refetch (auto decides per pool plan)."""
     activation_budget_gb: float = 16.0
     """GiB per GPU that save_mode=auto lets the kept destination tensors use for one microbatch, summed over
-    the layers of this pipeline stage (planner prediction of the pool's worst rank); above it: refetch."""
+    the layers of this pipeline stage whose tensors are alive at once (all of them; with Megatron-LM's
+    --recompute-granularity full, the recomputed ones: ``plan.model.memory.saved_layers``), as the planner
+    predicts them for the pool's worst rank; above it: refetch."""
     tiling: TilingPolicy = TilingPolicy.ADAPTIVE
     """SH-Tile blocks: uniform (the paper) | adaptive (blocks above C/2 of Alg. 2 are halved, >= B/8 tokens)."""
     kv_fetch: KvFetch = KvFetch.PREFIX

@@ -33,9 +33,10 @@ from ..config import (
     KvRelay,
     flag_name,
 )
+from ..plan.model import saved_layers
 
 __all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "parse_megatron_args",
-           "print_megatron_help", "CONFIG_FILE_NAME"]
+           "print_megatron_help", "saved_layers_of_stage", "CONFIG_FILE_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ _HELP = {
     "save_mode": "What the Libra operator keeps for backward; auto decides per pool plan against "
                  "--libra-activation-budget-gb.",
     "activation_budget_gb": "GiB per GPU that save_mode=auto lets kept attention tensors use for one microbatch "
-                            "(all layers of the pipeline stage).",
+                            "(summed over the stage's layers whose tensors are alive at once: all of them, or under "
+                            "--recompute-granularity full the --recompute-num-layers being recomputed).",
     "tiling": "SH-Tile blocks: uniform (paper) or adaptive (heavy blocks halved).",
     "kv_fetch": "K/V fetched per document: group (paper, whole) or prefix (causal prefix only).",
     "kv_relay": "K/V relay between nodes: off (paper) or auto (one worker per node fetches K/V its node needs "
@@ -263,3 +265,12 @@ def _escape_bare_percent_signs(parser: argparse.ArgumentParser) -> argparse.Argu
         if isinstance(action.help, str):
             action.help = _PERCENT.sub(lambda m: m.group(0) if len(m.group(0)) == 2 else "%%", action.help)
     return parser
+
+
+def saved_layers_of_stage(args: Any) -> int:
+    """Layers of this pipeline stage whose Libra saved tensors are alive at once for one microbatch, from Megatron-LM's
+    ``--num-layers``, ``--pipeline-model-parallel-size`` and recompute flags (``plan.model.memory.saved_layers``):
+    what ``save_mode=auto``'s ``--libra-activation-budget-gb`` is summed over."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    stage = -(-int(getattr(args, "num_layers", 1) or 1) // pp)
+    return saved_layers(stage, *(getattr(args, f"recompute_{k}", None) for k in ("granularity", "method", "num_layers")))

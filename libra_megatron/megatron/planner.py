@@ -50,6 +50,7 @@ import numpy as np
 
 from ..config import LibraConfig, SaveModeName
 from ..plan.layout import HeadLayout, TokenLayout
+from .args import saved_layers_of_stage
 from .planner_process import default_plan_fn, memory as _memory, pool_key, spawn_planner, stop_planner
 
 __all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "build_planner_from_args"]
@@ -102,8 +103,8 @@ class BackgroundPlanner:
     validate: run ``validate_plan`` on every plan (all ranks' invariants; costs O(units)).
     worker: this process's pool-local worker id p*CP + c, when fixed; its RankPlan and row run tables
         are then built in the thread too (otherwise on first ``get`` / first use).
-    num_layers: Libra layers per microbatch on this rank (the pipeline stage's layers), for the
-        ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
+    num_layers: this rank's layers whose saved tensors are alive at once (``plan.model.memory.saved_layers``), for
+        the ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
     timing: the ``plan.model.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
     mode: "thread" (plan in a thread of this interpreter) or "process" (a spawned planner process; module
         docstring). ``plan_fn`` must then pickle (a module-level function).
@@ -447,7 +448,8 @@ class BackgroundPlanner:
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``;
-    this rank's pool worker id (its RankPlan is materialised by the planner) and its stage's layer count. It plans
+    this rank's pool worker id (its RankPlan is materialised by the planner) and its stage's layers alive at once
+    (``args.saved_layers_of_stage``: one under the shipped full recompute), what auto's budget covers. It plans
     in its own process (``LIBRA_PLANNER_MODE=thread``: in a thread of the trainer).
 
     Its capacity holds two windows of plans (GBS / (mbs * DP) each, at least 64 plans): the sampler submits a
@@ -463,13 +465,11 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    layers = -(-int(getattr(args, "num_layers", 1) or 1) // pp)
     import os
 
     mode = os.environ.get("LIBRA_PLANNER_MODE", "process")  # "thread": plan in this interpreter (debugging)
     return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window), worker=_pool_worker(),
-                             num_layers=layers, timing=_pool_timing(kv_channels), mode=mode,
+                             num_layers=saved_layers_of_stage(args), timing=_pool_timing(kv_channels), mode=mode,
                              pools_per_window=ga_per_window)
 
 

@@ -140,7 +140,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (bytes moved)")
     g.add_argument("--num-layers", type=int, default=None,
                    help="transformer layers (default: the --model preset's, else 1); save_mode auto budgets "
-                        "ceil(layers / --pp) of them")
+                        "the ones of a stage (ceil(layers / --pp)) whose tensors are alive at once")
+    g.add_argument("--recompute-num-layers", type=int, default=1, metavar="N",
+                   help="Megatron-LM's full uniform recompute of N layers at a time, as the shipped configs run it "
+                        "(--recompute-num-layers 1): save_mode auto budgets N layers; 0 = no recompute, every "
+                        "layer of the stage keeps its tensors")
 
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -169,10 +173,10 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
                    help="the same as --kv-relay off")
     _choice_option(g, "--save-mode", SaveModeName, LibraConfig.save_mode,
                    "what the operator keeps for backward, priced in the backward: arranged, refetch (Q, K|V, O "
-                   "sent again), auto (per pool: arranged iff the worst rank's bytes x the stage's layers fit "
+                   "sent again), auto (per pool: arranged iff the worst rank's bytes x the layers alive at once fit "
                    "--activation-budget-gb, plan.model.memory.choose_save_mode)")
     g.add_argument("--activation-budget-gb", type=float, default=LibraConfig.activation_budget_gb, metavar="GIB",
-                   help="save_mode auto's budget per GPU and microbatch over the stage's layers")
+                   help="save_mode auto's budget per GPU and microbatch over the layers alive at once")
     g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
 
 
@@ -265,7 +269,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         tensor_parallel_size=args.tp, expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
         other_seconds=args.other_seconds, dump_orders=args.dump_orders is not None,
         save_mode=SaveModeName(args.save_mode), activation_budget_gb=args.activation_budget_gb,
-        num_layers=_num_layers(args), libra_config=getattr(args, "libra_config", None),
+        num_layers=_num_layers(args), recompute_num_layers=args.recompute_num_layers,
+        libra_config=getattr(args, "libra_config", None),
     ).validate()
 
 

@@ -11,7 +11,7 @@ forward-only figures: ``seconds``, ``compute_seconds``). The whole layer, forwar
 runs it, is priced by ``plan.exchange.plan_layer_timing`` (every rank's op list, peers coupled, latencies and
 copies included) in the pool's save mode: the run's ``--save-mode``, or for ``auto`` what
 ``plan.model.memory.choose_save_mode`` picks from the plan's predicted arranged bytes, the activation budget and
-the stage's layers (``fwd_*``, ``bwd_*``, ``save_mode``). ``traffic_edges`` is an
+the layers alive at once (``SimSpec.saved_layers``) (``fwd_*``, ``bwd_*``, ``save_mode``). ``traffic_edges`` is an
 independent re-derivation from the tiles (kept to cross-check the plan in tests/sim):
     Q   home(t) -> dest(t), tile_tokens * V_Q per token, for every migrated tile
     O   dest(t) -> home(t), same bytes
@@ -120,7 +120,8 @@ def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: StepTime
 @dataclass(frozen=True)
 class SaveRule:
     """The run's save mode: ``mode`` arranged | refetch | auto; auto's ``budget_gb`` (GiB per GPU and microbatch)
-    over ``num_layers`` layers (the pipeline stage's) and the ``local_tokens`` every rank holds (L / CP)."""
+    over ``num_layers`` layers (those alive at once, ``SimSpec.saved_layers``) and the ``local_tokens`` every
+    rank holds (L / CP)."""
 
     mode: SaveModeName = SaveModeName.ARRANGED
     budget_gb: float = LibraConfig.activation_budget_gb

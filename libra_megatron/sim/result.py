@@ -232,7 +232,8 @@ class SimResult:
             "objective": OBJECTIVE + (", tau, M" if len(s.taus) * len(s.chunk_counts) > 1 else "")
             + (", then grid order of tiling, KV fetch" if len(s.tilings) * len(s.kv_fetches) > 1 else ""),
             "save_mode": s.save_mode.value, "activation_budget_gb": s.activation_budget_gb,
-            "num_layers": s.num_layers, "layers_per_stage": s.layers_per_stage, "libra_config": s.libra_config,
+            "num_layers": s.num_layers, "layers_per_stage": s.layers_per_stage,
+            "recompute_num_layers": s.recompute_num_layers, "saved_layers": s.saved_layers, "libra_config": s.libra_config,
             "units": "seconds per attention layer, forward + backward (forward_* keys: forward only, the Pipeliner "
                      "timeline); bytes per attention layer, forward pass",
         }

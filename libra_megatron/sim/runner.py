@@ -352,8 +352,8 @@ def _megatron_hybrid_cp(baseline: HybridCpBaseline, corpus: "_Corpus", num_windo
 
 
 def save_rule(spec: SimSpec, layout: TokenLayout) -> SaveRule:
-    """The run's save mode as ``sim.pools`` applies it per pool (auto: the planner's rule, the stage's layers)."""
-    return SaveRule(spec.save_mode, spec.activation_budget_gb, spec.layers_per_stage, layout.local_len)
+    """The run's save mode as ``sim.pools`` applies it per pool (auto: the planner's rule over the layers alive at once)."""
+    return SaveRule(spec.save_mode, spec.activation_budget_gb, spec.saved_layers, layout.local_len)
 
 
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..config import (KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy,
                       TokenLayoutKind)
-from ..plan.model import StepTimeModel
+from ..plan.model import StepTimeModel, saved_layers
 from ..plan.packing import num_packed_upper_bound, packing_memory_bytes
 from ..plan.sequences import SyncLayout
 
@@ -84,6 +84,7 @@ class SimSpec:
     save_mode: SaveModeName = LibraConfig.save_mode
     activation_budget_gb: float = LibraConfig.activation_budget_gb
     num_layers: int = 1
+    recompute_num_layers: int = 1  # --recompute-num-layers: full uniform recompute of n layers at a time; 0 = none
     libra_config: Optional[str] = None  # --libra-config FILE the knobs' defaults came from (reported only)
 
     @property
@@ -95,6 +96,13 @@ class SimSpec:
     def layers_per_stage(self) -> int:
         """Transformer layers of one pipeline stage: ceil(num_layers / PP) (the planner's count for save_mode auto)."""
         return -(-self.num_layers // self.pipeline_parallel_size)
+
+    @property
+    def saved_layers(self) -> int:
+        """Layers whose saved attention is alive at once (``plan.model.memory.saved_layers``): save_mode auto's
+        budget covers that many, as the planner counts them from Megatron-LM's recompute flags."""
+        n = self.recompute_num_layers
+        return saved_layers(self.layers_per_stage, "full" if n else None, "uniform", n or None)
 
     def sync_layout(self, pool_size: int) -> SyncLayout:
         """The step's synchronisation layout at pool size ``pool_size`` (ValueError names the flag). Its
@@ -197,6 +205,8 @@ def _validate_spec(spec: SimSpec) -> None:
     if spec.max_windows is not None:
         _positive(spec.max_windows, "--max-windows")
     _positive(spec.num_layers, "--num-layers")
+    if int(spec.recompute_num_layers) < 0:
+        raise ValueError(f"--recompute-num-layers must be >= 0 (0 = no recompute), got {spec.recompute_num_layers}")
     _finite(spec.activation_budget_gb, "--activation-budget-gb", ">= 0", lambda v: v >= 0)
     SaveModeName(spec.save_mode)
     if spec.cost.head_dim != spec.dims.head_dim:

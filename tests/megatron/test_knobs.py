@@ -191,3 +191,23 @@ def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thre
         assert planned.pool_plan.exchange.for_rank(1) in rank_tables._CACHE  # built by the thread
         assert planned.save_mode is SaveModeName.ARRANGED  # tiny plan, 16 GiB default budget
         assert set(planned.saved_bytes) == {"arranged", "refetch"}
+
+
+@pytest.mark.parametrize("recompute, want", [((None, None, None), 24), (("full", "uniform", 1), 1),
+                                              (("full", "uniform", 2), 2), (("full", "block", 4), 21),
+                                              (("selective", None, None), 24)])
+def test_planner_budgets_the_layers_whose_tensors_are_alive_at_once(monkeypatch, recompute, want):
+    """save_mode=auto's budget covers the stage's layers (48 / PP 2) only without full recompute; the shipped
+    configs recompute one layer at a time, so one layer's tensors are alive (issue 24)."""
+    from libra_megatron.megatron import planner as planner_module
+
+    seen = {}
+    monkeypatch.setattr(planner_module, "BackgroundPlanner", lambda *a, **kw: seen.update(kw) or kw)
+    granularity, method, n = recompute
+    args = argparse.Namespace(context_parallel_size=1, tensor_model_parallel_size=1, num_attention_heads=HQ,
+                              num_query_groups=HKV, group_query_attention=True, kv_channels=D, hidden_size=HQ * D,
+                              bf16=True, seq_length=L, data_parallel_size=2, global_batch_size=4, micro_batch_size=1,
+                              pipeline_model_parallel_size=2, num_layers=48, recompute_granularity=granularity,
+                              recompute_method=method, recompute_num_layers=n)
+    planner_module.build_planner_from_args(LibraConfig(**dict(BASE, token_layout="zigzag")), args)
+    assert seen["num_layers"] == want

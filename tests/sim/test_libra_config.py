@@ -106,3 +106,25 @@ def test_end_to_end_with_a_yaml_and_the_save_modes(trace_path, tmp_path):
     assert ref["straggler_split"]["backward"]["seconds"] >= arr["straggler_split"]["backward"]["seconds"]
     assert ref["straggler_split"]["forward"] == arr["straggler_split"]["forward"]  # the forward does not change
     assert ref["forward_straggler_vs_lower_bound"] == arr["forward_straggler_vs_lower_bound"]
+
+
+def test_auto_budgets_the_layers_alive_under_recompute(trace_path, tmp_path):
+    """--recompute-num-layers (default 1, the shipped configs' full recompute): save_mode auto's budget covers that
+    many layers; 0 = no recompute, every layer of the stage. A budget that one layer fits and 10^7 layers do not
+    keeps the arranged tensors only under recompute."""
+    assert _spec(LAYOUT).saved_layers == 1
+    assert _spec(LAYOUT + ["--recompute-num-layers", "0"]).saved_layers == 48  # the Qwen3-30B-A3B preset
+    assert _spec(LAYOUT + ["--recompute-num-layers", "0", "--pp", "2"]).saved_layers == 24
+    assert _spec(LAYOUT + ["--recompute-num-layers", "4"]).saved_layers == 4
+    with pytest.raises(ValueError, match="--recompute-num-layers must be >= 0"):
+        _spec(LAYOUT + ["--recompute-num-layers", "-1"])
+    modes = {}
+    for n in ("0", "1"):
+        out = tmp_path / f"r{n}.json"
+        assert run(["--trace", trace_path, "--json", str(out), "--pool-size", "2", "--head-split", "2", "--block-size",
+                    "8", "--num-chunks", "2", "--save-mode", "auto", "--activation-budget-gb", "1e-3", "--num-layers",
+                    "10000000", "--recompute-num-layers", n] + TINY) == 0
+        (cand,) = json.loads(out.read_text())["candidates"]
+        modes[n] = cand["save_mode_pools"]
+    assert modes["0"]["arranged"] == 0 and modes["0"]["refetch"] > 0
+    assert modes["1"]["refetch"] == 0 and modes["1"]["arranged"] > 0

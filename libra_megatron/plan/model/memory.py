@@ -12,7 +12,11 @@ What ``runtime.libra_attn_func`` keeps alive for backward, per rank and per tran
 nq / nkv = Q / KV units the rank hosts (arranged rows per chunk), t = local tokens, e = element bytes of
 q/k/v, l = lse bytes (4; 8 for fp64 inputs). ``runtime`` reports the same quantity as
 ``ExchangeStats.saved_bytes``; tests assert equality. ``choose_save_mode`` is the ``save_mode=auto`` rule:
-it decides from pool-wide numbers only, so every rank of the pool decides the same.
+it decides from pool-wide numbers only, so every rank of the pool decides the same. It keeps the arranged
+tensors whenever they fit: arranged's backward moves a subset of refetch's bytes (refetch re-sends Q, K|V and
+O) and is never slower under the whole-step model (``tests/plan/test_save_mode_auto.py`` prices both on real
+pools), so the budget is the only reason to refetch. ``saved_layers`` is how many layers' tensors are alive at
+once: the stage's layers, or under Megatron-LM's full recompute only the ones being recomputed.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import numpy as np
 
 from ...config import SaveModeName
 
-__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "choose_save_mode"]
+__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "choose_save_mode", "saved_layers"]
 
 GIB = float(1 << 30)
 
@@ -70,3 +74,31 @@ def choose_save_mode(mode, arranged_bytes_per_rank: np.ndarray, budget_gb: float
     worst = int(np.max(arranged_bytes_per_rank, initial=0))
     fits = worst * max(1, int(num_layers)) <= budget_gb * GIB
     return SaveModeName.ARRANGED if fits else SaveModeName.REFETCH
+
+
+def saved_layers(stage_layers: int, recompute_granularity=None, recompute_method=None,
+                 recompute_num_layers=None) -> int:
+    """Layers of one microbatch whose Libra saved tensors are alive at once on a pipeline stage of
+    ``stage_layers`` layers, under Megatron-LM's recompute flags (``--recompute-granularity``, ``-method``,
+    ``-num-layers``): what ``save_mode=auto``'s budget is summed over.
+
+    None / "selective": every layer's (selective recompute does not drop the Libra operator's tensors);
+    "full", "uniform": the forward keeps no tensors and the backward recomputes ``recompute_num_layers`` layers
+    at a time, so that many (at most ``stage_layers``); "full", "block": the first ``recompute_num_layers`` layers
+    are recomputed one at a time, the others keep theirs: stage_layers - n + 1 (n >= 1)."""
+    stage = int(stage_layers)
+    if stage < 1:
+        raise ValueError(f"layers per pipeline stage must be >= 1, got {stage_layers}")
+    if recompute_granularity in (None, "selective"):
+        return stage
+    if recompute_granularity != "full":
+        raise ValueError(f"--recompute-granularity {recompute_granularity!r}: expected full or selective")
+    n = 1 if recompute_num_layers is None else int(recompute_num_layers)
+    if n < 1:
+        raise ValueError(f"--recompute-num-layers {recompute_num_layers} must be >= 1 with --recompute-granularity full")
+    method = recompute_method or "uniform"
+    if method == "uniform":
+        return min(n, stage)
+    if method == "block":
+        return stage - min(n, stage) + 1
+    raise ValueError(f"--recompute-method {recompute_method!r}: expected uniform or block")
