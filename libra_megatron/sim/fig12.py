@@ -25,6 +25,10 @@ normalise   both by Libra's mean sample of the same window (iteration).
 reduction   the worst Ulysses sample over the worst Libra sample (both normalised). Libra's worst is >= its mean
             = 1, so the factor can never exceed Ulysses' normalised worst: a trace whose Ulysses spread is smaller
             than the paper's cannot show the paper's factor.
+trace       what the trace itself allows, per window, in Eq. 2 workloads F = sum l^2 of the packed sequences:
+            ``sequence_spread`` = max F / mean F (Ulysses' compute spread) and ``libra_floor`` = the counting lower
+            bound of the heaviest pool over the mean pool (``plan.model.pool_lower_bound_counting``: no placement
+            of P sequences per pool does better; Libra's worst pool cannot fall below it in FLOPs).
 
 Non-attention work (``--other-seconds``) is not part of the sample: it is the same for every packed sequence and
 the paper's spread (0.02 - 23.1 at 1M) is attention's.
@@ -38,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..plan.model import pool_lower_bound_counting
 from ..plan.sequences import place_sequences, step_timing
 from . import runner as R
 from .spec import SimSpec
@@ -58,6 +63,7 @@ PAPER_FIG12: Dict[str, Dict[str, object]] = {  # Fig. 12 (§6.2 "PP Imbalance"),
 }
 _CITATION = "Libra paper, Fig. 12 and §6.2 'PP Imbalance' (15 training iterations, all ranks)"
 METHODS = ("ulysses", "libra")
+TRACE_KEYS = ("sequence_spread", "libra_floor")
 
 
 def _layout_of(spec: SimSpec) -> Dict[str, int]:
@@ -87,7 +93,7 @@ def check_fig12_spec(spec: SimSpec) -> None:
 
 def window_forward(corpus, w: int, spec: SimSpec, ev) -> Dict[str, np.ndarray]:
     """One window's samples (module docstring): ``{"ulysses": [GA, DP], "libra": [GA, DP]}`` forward seconds per
-    attention layer, replica r of GA step g at [g, r]."""
+    attention layer, replica r of GA step g at [g, r], and the window's ``sequence_spread`` and ``libra_floor``."""
     gbs, dp, cp, ga = spec.global_batch_size, spec.data_parallel_size, spec.context_parallel_size, spec.num_steps
     ids = np.arange(w * gbs, (w + 1) * gbs, dtype=np.int64)
     uly_fwd, uly_bwd = R.ulysses_phases(corpus.pair_heads[ids], np.full(gbs, spec.seq_len), spec)
@@ -101,7 +107,11 @@ def window_forward(corpus, w: int, spec: SimSpec, ev) -> Dict[str, np.ndarray]:
     libra = step_timing(worker_seconds([q.fwd_seconds for q in pools], layout), layout,
                         worker_seconds([q.bwd_seconds for q in pools], layout)).microbatch_seconds
     ev.clear()
-    return {"ulysses": ulysses, "libra": np.repeat(libra, p, axis=1)}  # lane j = replicas j*P .. j*P+P-1
+    flops = corpus.flops[ids]
+    mean_pool = float(flops.sum()) * p / gbs
+    return {"ulysses": ulysses, "libra": np.repeat(libra, p, axis=1),  # lane j = replicas j*P .. j*P+P-1
+            "sequence_spread": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
+            "libra_floor": pool_lower_bound_counting(flops, p) / mean_pool if mean_pool > 0 else 1.0}
 
 
 def _window_job(w: int) -> Dict[str, np.ndarray]:
@@ -118,6 +128,7 @@ class Fig12Result:
 
     spec: SimSpec
     seconds: Dict[str, List[np.ndarray]] = field(default_factory=lambda: {m: [] for m in METHODS})
+    trace: Dict[str, List[float]] = field(default_factory=lambda: {k: [] for k in TRACE_KEYS})
     num_sequences: int = 0
     num_documents: int = 0
     runtime_seconds: float = 0.0
@@ -143,8 +154,10 @@ class Fig12Result:
             "normalised": {m: _stats(norm[m]) for m in METHODS},
             "worst_reduction": reduction,
             "ulysses_spread": worst["ulysses"] / float(norm["ulysses"].mean()),
+            "trace": {f"{k}_max": float(np.max(v)) for k, v in self.trace.items()},
             "per_window": [{"window": w, "libra_mean_seconds": float(self.seconds["libra"][w].mean()),
-                            **{f"{m}_max": float(norm[m][w].max()) for m in METHODS}}
+                            **{f"{m}_max": float(norm[m][w].max()) for m in METHODS},
+                            **{k: float(v[w]) for k, v in self.trace.items()}}
                            for w in range(norm["libra"].shape[0])],
             "samples": {m: norm[m].tolist() for m in METHODS},
             "paper": None if paper is None else {**paper, "citation": _CITATION},
@@ -192,6 +205,8 @@ def run_fig12(doc_lens, spec: SimSpec, jobs: int = 1,
     for done, part in enumerate(R.replay_windows(corpus, num_windows, ev, spec, jobs, _window_job), start=1):
         for m in METHODS:
             result.seconds[m].append(part[m])
+        for k in TRACE_KEYS:
+            result.trace[k].append(part[k])
         if progress is not None:
             progress(done, num_windows)
     result.runtime_seconds = time.perf_counter() - start
@@ -224,6 +239,8 @@ def format_fig12(report: Dict[str, object]) -> str:
     paper_factor = f" (paper {paper['worst_reduction']}x)" if paper else ""
     rows += [f"worst microbatch reduced {report['worst_reduction']:.2f}x{paper_factor}; Ulysses' own spread "
              f"max/mean {report['ulysses_spread']:.2f}; runtime {report['runtime_seconds']:.1f}s",
+             f"trace (Eq. 2 F per packed sequence, worst window): max F / mean F {report['trace']['sequence_spread_max']:.2f}; "
+             f"heaviest-pool floor of any P={knobs['pool_size']} placement {report['trace']['libra_floor_max']:.2f} x the mean pool",
              report["verdict"]]
     return "\n".join(rows)
 
