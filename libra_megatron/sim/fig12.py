@@ -255,7 +255,8 @@ def plot_fig12(plt, report: Dict[str, object], out_dir: str) -> str:
     rng = np.random.default_rng(0)
     for x, (values, color) in enumerate(zip(data, ("tab:gray", "tab:blue"))):
         ax.scatter(x + rng.uniform(-0.18, 0.18, values.size), values, s=6, alpha=0.5, color=color)
-        ax.hlines(values.mean(), x - 0.3, x + 0.3, colors=color, linestyles="--", lw=1.2)
+        ax.hlines(values.mean(), x - 0.3, x + 0.3, colors=color, linestyles="--", lw=1.2,
+                  label="mean (dashed; box: quartiles, median, min-max)" if x == 1 else None)
     paper = report["paper"]
     for x, m in enumerate(METHODS):
         marks = [v for v in ((paper or {}).get(m) or {}).values() if v is not None]
@@ -271,8 +272,7 @@ def plot_fig12(plt, report: Dict[str, object], out_dir: str) -> str:
     ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    if paper:
-        ax.legend(fontsize=8)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
