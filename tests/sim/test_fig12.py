@@ -126,6 +126,7 @@ def test_the_paper_layout_is_recognised_and_the_verdict_separates_a_smaller_spre
     assert report["paper_layout"] == "1M" and report["paper"]["worst_reduction"] == 14.7
     assert report["worst_reduction"] == pytest.approx(worst_ulysses / (2.0 / 1.125))
     assert expected in report["verdict"]
+    assert ("cannot exceed about P = 4" in report["verdict"]) == (expected != "meets the paper")  # 14.7 > P
     assert "Fig. 12" in report["paper"]["citation"]
 
 
