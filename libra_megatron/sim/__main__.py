@@ -45,6 +45,7 @@ from .libra_yaml import LIBRA_CONFIG_FLAG, check_yaml_knobs, parse_with_libra_co
 from .report import ProgressBar, format_table
 from .runner import run_simulation
 from .spec import DTYPE_BYTES, MIN_SEQ_LEN, MODEL_LAYERS, MODEL_PRESETS, ModelDims, SimSpec, check_jobs
+from .fig12 import check_fig12_spec, format_fig12, run_fig12
 from .sync import format_sync
 
 __all__ = ["build_parser", "parse_args", "spec_from_args", "check_outputs", "run", "main"]
@@ -189,6 +190,10 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
                         "of every packed sequence, sampler order) and the placed order")
     g.add_argument("--plots", default=None, metavar="DIR",
                    help="write PNG plots into DIR (created at the end if missing; its parent must exist)")
+    g.add_argument("--fig12", action="store_true",
+                   help="instead of the candidate table: the paper's Fig. 12 (per-microbatch attention forward, "
+                        "Ulysses vs Libra, over Libra's per-window mean) for the one configuration given; --json "
+                        "and --plots write its JSON and fig12_microbatch_forward.png (sim/fig12.py)")
     g.add_argument("--jobs", type=int, default=1, metavar="N", help="simulate windows in N processes, N <= CPUs (same results)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_debug_argument(g)
@@ -319,14 +324,41 @@ def _write_outputs(args: argparse.Namespace, result, report: dict) -> None:
             print(f"wrote {path}")
 
 
+def _check_fig12_args(args: argparse.Namespace, spec: SimSpec) -> None:
+    """``--fig12`` runs one configuration and no other baseline: refuse the flags it would not honour."""
+    if not args.fig12:
+        return
+    check_fig12_spec(spec)
+    for flag, given in (("--dump-orders", args.dump_orders is not None), ("--megatron-hybrid-cp", args.megatron_hybrid_cp)):
+        if given:
+            raise ValueError(f"--fig12 does not run {flag} (it prices Ulysses and Libra only); leave {flag} out")
+
+
+def _run_fig12(args: argparse.Namespace, spec: SimSpec, doc_lens, progress) -> int:
+    report = run_fig12(doc_lens, spec, jobs=args.jobs, progress=progress).to_json()
+    report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]
+    print(format_fig12(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(report, indent=1))
+    if args.plots:
+        from .plots import write_fig12_plot  # lazy: matplotlib only when asked
+
+        print(f"wrote {write_fig12_plot(report, args.plots)}")
+    return 0
+
+
 def run(argv: Optional[Sequence[str]] = None) -> int:
     """The simulator; bad input raises ValueError naming the flag or file (``main`` turns it into one line)."""
     args = parse_args(argv)
     spec = spec_from_args(args)
     _hybrid_cp(args)  # flag errors before any work
+    _check_fig12_args(args, spec)
     check_outputs(args)
     doc_lens = _load_traces(args.trace, spec)  # checks every path before reading any
     progress = ProgressBar(enabled=not args.no_progress and sys.stderr.isatty())
+    if args.fig12:
+        return _run_fig12(args, spec, doc_lens, progress)
     result = run_simulation(doc_lens, spec, progress=progress, jobs=args.jobs, megatron_hybrid_cp=_hybrid_cp(args))
     report = result.to_json()
     report["assumptions"]["traces"] = [os.fspath(p) for p in args.trace]

@@ -8,6 +8,7 @@ speedup_heatmap.png       estimated speedup over Ulysses (sum of Ulysses step st
 worst_step_loads.png      per-worker seconds (compute + exposed comm) of the recommended candidate's
                           slowest step next to Ulysses on the same window and step.
 lanes_and_microbatches.png  the sync model's per-lane and per-microbatch view (``sim.sync_plots``).
+fig12_microbatch_forward.png  ``--fig12`` only (``write_fig12_plot``): the paper's Fig. 12 (``sim.fig12``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Dict, List
 import numpy as np
 
 from ..plan.model import clt_expected_imbalance
+from .fig12 import plot_fig12
 from .sync_plots import plot_lanes_and_microbatches
 
-__all__ = ["write_plots"]
+__all__ = ["write_plots", "write_fig12_plot"]
 
 
 def _pyplot():
@@ -127,3 +129,10 @@ def write_plots(result, report: Dict, out_dir: str) -> List[str]:
     _plot_heatmap(plt, report, paths[1])
     _plot_worst(plt, report, paths[2])
     return paths + [plot_lanes_and_microbatches(plt, result, report, out_dir)]
+
+
+def write_fig12_plot(report: Dict, out_dir: str) -> str:
+    """``--fig12``: write its PNG into ``out_dir`` (created if needed); returns the path."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    return plot_fig12(plt, report, out_dir)

@@ -166,12 +166,21 @@ class _Window:
     forward_lower_bound_step: float = 0.0  # balanced forward only
 
 
+def _ulysses_heads(spec: SimSpec) -> Tuple[int, int, int]:
+    return spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes
+
+
+def ulysses_phases(pair_heads: np.ndarray, tokens: np.ndarray, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
+    """Per sequence (= per CP rank of its group): Ulysses' (forward, backward) seconds under the whole-layer model,
+    as the baseline prices them (``sim.baselines.ulysses_layer_seconds``)."""
+    return ulysses_layer_seconds(pair_heads, tokens, spec.context_parallel_size, _ulysses_heads(spec), spec.cost)
+
+
 def _ulysses_steps(pair_heads: np.ndarray, tokens: np.ndarray, spec: SimSpec) -> Tuple[np.ndarray, np.ndarray]:
     """Per sequence (= per CP rank of its group): (whole layer, forward-only) Ulysses seconds."""
-    heads = (spec.dims.num_q_heads, spec.dims.num_kv_heads, spec.dims.elem_bytes)
+    fwd, bwd = ulysses_phases(pair_heads, tokens, spec)
     cp = spec.context_parallel_size
-    fwd, bwd = ulysses_layer_seconds(pair_heads, tokens, cp, heads, spec.cost)
-    return fwd + bwd, ulysses_worker_seconds(pair_heads, tokens, cp, heads, spec.cost)
+    return fwd + bwd, ulysses_worker_seconds(pair_heads, tokens, cp, _ulysses_heads(spec), spec.cost)
 
 
 def _window_data(corpus: _Corpus, w: int, spec: SimSpec) -> _Window:
@@ -327,15 +336,16 @@ def _window_job(w: int) -> SimResult:
     return part
 
 
-def _window_results(num_windows: int, jobs: int):
-    """Yield per-window partial results in window order, ``jobs`` processes at a time (fork)."""
+def _window_results(num_windows: int, jobs: int, job: Callable[[int], object] = _window_job):
+    """Yield ``job(w)`` for every window in window order, ``jobs`` processes at a time (fork; ``job`` reads the
+    corpus, spec and evaluator from ``_WORKER``)."""
     if jobs <= 1 or num_windows == 1:
-        yield from (_window_job(w) for w in range(num_windows))
+        yield from (job(w) for w in range(num_windows))
         return
     import multiprocessing
 
     with multiprocessing.get_context("fork").Pool(min(jobs, num_windows)) as pool:
-        yield from pool.imap(_window_job, range(num_windows))
+        yield from pool.imap(job, range(num_windows))
 
 
 def _megatron_hybrid_cp(baseline: HybridCpBaseline, corpus: "_Corpus", num_windows: int, spec: SimSpec) -> Dict:
@@ -356,6 +366,31 @@ def save_rule(spec: SimSpec, layout: TokenLayout) -> SaveRule:
     return SaveRule(spec.save_mode, spec.activation_budget_gb, spec.saved_layers, layout.local_len)
 
 
+def prepare_corpus(doc_lens, spec: SimSpec, jobs: int) -> Tuple[_Corpus, int, PoolEvaluator]:
+    """Validate ``spec`` and ``jobs``, refuse a too costly run (``check_run_cost``), pack the windows the run
+    replays; returns (corpus, number of windows, the pool evaluator every window uses)."""
+    spec.validate()
+    check_jobs(jobs)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    check_run_cost(doc_lens, spec)
+    corpus = _pack_corpus(doc_lens, spec)
+    layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
+    ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
+                       spec.dims.elem_bytes, spec.cost, save_rule(spec, layout))
+    return corpus, _num_windows(corpus.num_sequences, spec), ev
+
+
+def replay_windows(corpus: _Corpus, num_windows: int, ev: PoolEvaluator, spec: SimSpec, jobs: int,
+                   job: Callable[[int], object] = _window_job):
+    """Yield ``job(w)`` of every window in order, ``jobs`` forked processes at a time (``_WORKER`` holds the
+    corpus, spec and evaluator while it runs)."""
+    _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)
+    try:
+        yield from _window_results(num_windows, jobs, job)
+    finally:
+        _WORKER.clear()
+
+
 def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, int], None]] = None,
                    jobs: int = 1, megatron_hybrid_cp: Optional[HybridCpBaseline] = None) -> SimResult:
     """Pack ``doc_lens`` (int, tokens), replay every GBS window for every (P, H, B, tau, M) and the baselines.
@@ -364,25 +399,13 @@ def run_simulation(doc_lens, spec: SimSpec, progress: Optional[Callable[[int, in
     ``megatron_hybrid_cp`` adds Megatron-LM's hybrid-CP balancer on the same windows (``sim.hybrid_cp``).
     """
     start = time.perf_counter()
-    spec.validate()
-    check_jobs(jobs)
-    doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    check_run_cost(doc_lens, spec)
-    corpus = _pack_corpus(doc_lens, spec)
-    num_windows = _num_windows(corpus.num_sequences, spec)
-    layout = TokenLayout(spec.token_layout, spec.seq_len, spec.context_parallel_size)
-    ev = PoolEvaluator(corpus.segments, layout, spec.dims.num_q_heads, spec.dims.num_kv_heads,
-                       spec.dims.elem_bytes, spec.cost, save_rule(spec, layout))
+    corpus, num_windows, ev = prepare_corpus(doc_lens, spec, jobs)
     result = SimResult(spec, _make_candidates(spec), _Steps(), _Steps(), num_windows,
                        corpus.num_sequences, corpus.num_documents)
-    _WORKER.update(corpus=corpus, spec=spec, evaluator=ev)
-    try:
-        for done, part in enumerate(_window_results(num_windows, jobs), start=1):
-            _merge_window(result, part)
-            if progress is not None:
-                progress(done, num_windows)
-    finally:
-        _WORKER.clear()
+    for done, part in enumerate(replay_windows(corpus, num_windows, ev, spec, jobs), start=1):
+        _merge_window(result, part)
+        if progress is not None:
+            progress(done, num_windows)
     if megatron_hybrid_cp is not None:
         result.megatron_hybrid_cp = _megatron_hybrid_cp(megatron_hybrid_cp, corpus, num_windows, spec)
     result.seconds = time.perf_counter() - start

@@ -4,8 +4,9 @@ lanes_and_microbatches.png, for the recommended candidate:
   left   one window (the one where the sampler order waits longest beyond ours): per lane, its GA microbatches'
          pool seconds stacked (what the lane's pipeline runs), sampler order / Alg. 1 / ours side by side; the
          step waits for the tallest stack (at PP > 1 plus the lane's bubble)
-  right  every microbatch of every lane and window, its pool seconds over ours' mean of that window (Fig. 12:
-         per-microbatch forward + backward time normalised by Libra's per-iteration mean), sampler order vs ours
+  right  every microbatch of every lane and window, its pool seconds over ours' mean of that window (like Fig. 12,
+         but forward + backward and the sampler order *with* TAP; ``--fig12``, ``sim.fig12``, is the paper's
+         figure: forward only, Ulysses vs ours), sampler order vs ours
 """
 from __future__ import annotations
 
@@ -62,5 +63,5 @@ def _normalised_microbatches(ax, values: Dict[str, list]) -> None:
                 label=f"{_LABELS[name]}: range {d.min():.2f}-{d.max():.2f}, mean {d.mean():.2f}")
     ax.axvline(1.0, color="k", ls="--", lw=1)
     ax.set(xlabel="microbatch pool seconds / ours' mean of the window", ylabel="microbatches (all lanes, windows)",
-           title="per-microbatch time (Fig. 12)")
+           title="per-microbatch fwd + bwd (sampler order with TAP; --fig12: the paper's Fig. 12)")
     ax.legend(fontsize=8)
