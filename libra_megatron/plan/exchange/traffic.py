@@ -18,6 +18,7 @@ relay hop (``ExchangePlan.relay_units``) travels per K/V-sending chunk after its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import numpy as np
@@ -109,13 +110,21 @@ class PlanTraffic:
                            receives=moves.any(axis=0)[:, None] & sends[None, :])
 
 
+@lru_cache(maxsize=64)
+def _kv_share(heads: HeadLayout) -> np.ndarray:
+    """float64 [M]: the share of a worker's K/V bytes each chunk's dispatch carries (1/F on the F K/V-sending
+    chunks; read-only). Cached per head layout: the time-aware search prices thousands of rows per pool."""
+    sends = heads.kv_send_chunks().astype(np.float64)
+    share = sends / sends.sum()
+    share.setflags(write=False)
+    return share
+
+
 def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayout) -> np.ndarray:
     """float64 [n, 2, M]: max(bytes sent, bytes received) on one link class of every chunk's dispatch (index 0:
     Q/M, plus K/V/F on the F chunks of ``heads.kv_send_chunks()``) and return (index 1: O/M; a worker sends
     back the O of the Q it received), from the per-worker totals [n] of that class (module docstring)."""
-    M = heads.num_chunks
-    sends = heads.kv_send_chunks().astype(np.float64)
-    kv_share = sends / sends.sum()  # [M]
+    M, kv_share = heads.num_chunks, _kv_share(heads)
     q_sent, q_received, kv_sent, kv_received = (np.asarray(x, dtype=np.float64)[:, None]
                                                 for x in (q_sent, q_received, kv_sent, kv_received))
     dispatch = np.maximum(q_sent / M + kv_sent * kv_share, q_received / M + kv_received * kv_share)

@@ -102,8 +102,10 @@ def best_lead(local_compute, remote_compute, dispatch_seconds, return_seconds,
     relay each candidate lead is priced with every worker on it (a worker's relay partners move with it)."""
     local, remote, dispatch, ret = _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_seconds)
     M = dispatch.shape[1]
-    times = np.stack([_timeline(local, remote, dispatch, ret, np.full(local.shape, k, dtype=np.int64), relay)
-                      for k in range(M + 2)])  # [M+2, W]
+    # every lead in one pass: the timeline is elementwise over (lead, worker) rows (the relay's partners
+    # couple workers of one lead only), so stacking the M + 2 candidates gives the same floats as M + 2 calls
+    leads = np.broadcast_to(np.arange(M + 2, dtype=np.int64)[:, None], (M + 2,) + local.shape)
+    times = _timeline(local, remote, dispatch, ret, leads, relay)  # [M+2, W]
     near = times <= times.min(axis=0) * (1.0 + 1e-12) + 1e-300  # floating-point ties count as ties
     return (M + 1 - np.argmax(near[::-1], axis=0)).astype(np.int64)
 
@@ -121,18 +123,19 @@ def _timeline_inputs(local_compute, remote_compute, dispatch_seconds, return_sec
 
 
 def _timeline(local, remote, dispatch, ret, lead, relay: Optional[RelayTiming] = None) -> np.ndarray:
-    """seconds [W] of the listing with lead k = ``lead`` [W] (k = M + 1: no local split)."""
+    """seconds [..., W] of the listing with lead k = ``lead`` [..., W] (k = M + 1: no local split); local, remote
+    [W] and dispatch, ret [W, M] broadcast over the leading dimensions of ``lead`` (``best_lead``: one per lead)."""
     M = dispatch.shape[1]
     unsplit = lead > M
     local, remote, lead = np.where(unsplit, 0.0, local), np.where(unsplit, local + remote, remote), np.minimum(lead, M)
     arrived = np.cumsum(dispatch, axis=1)  # D_m issued at t = 0, one after another on the link
-    link = arrived[:, -1]
-    relay_free = np.zeros_like(link)
+    link = np.broadcast_to(arrived[:, -1], lead.shape)
+    relay_free = np.zeros(lead.shape)
     t = local * lead / M  # L_0 .. L_{k-1}
     for m in range(M):
         t = np.maximum(t, arrived[:, m])
         if relay is not None and (relay.seconds[:, m].any() or relay.receives[:, m].any()):
-            peers = np.where(relay.partners, t[None, :], 0.0).max(axis=1, initial=0.0)
+            peers = np.where(relay.partners, t[..., None, :], 0.0).max(axis=-1, initial=0.0)
             relay_free = np.maximum(np.maximum(t, peers), relay_free) + relay.seconds[:, m]
             t = np.where(relay.receives[:, m], np.maximum(t, relay_free), t)
         t = t + remote / M
