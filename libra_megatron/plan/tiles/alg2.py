@@ -77,7 +77,6 @@ class _Static:
     shared_ends: List[tuple]  # per block: ((doc*G, doc*W, kv end), ...) of its shared docs
     held_runs: Dict[int, tuple]  # shared doc * W + worker -> ((first row, end row), ...) it holds
     holders: Dict[int, Tuple[int, ...]]  # shared doc * W -> the workers holding rows of it
-    all_shared_groups: List[int]  # every shared group id
     kv_bytes_per_row: int
     class_of_shard: List[int]  # KV class of head shard h (group of a tile = doc * G + its class)
 
@@ -173,7 +172,7 @@ def _static_data(tiles: TileSet) -> _Static:
         homes=tiles.block_home.tolist(), qo_bytes=qo.tolist(), worst=(full + qo).tolist(),
         groups=_candidate_groups(tiles, key, cost), cost=dict(zip(key.tolist(), cost.tolist())),
         shared_ends=_all_ends(tiles) if classes_shared else _shared_ends(tiles, is_shared), held_runs=runs,
-        holders=holders, all_shared_groups=(np.flatnonzero(is_shared)[:, None] * G + np.arange(G)).reshape(-1).tolist(),
+        holders=holders,
         kv_bytes_per_row=kvb, class_of_shard=tiles.heads.kv_class_of_shard().tolist(),
     )
 
@@ -188,34 +187,39 @@ def _held_below(runs: tuple, end: int) -> int:
 
 
 # --------------------------------------------------------------------------- Algorithm 2
+_PREFIX, _SAVED, _LONGEST, _SHORTEST = range(4)  # fields of one shared group's C_r record (a list: one lookup)
+
+
 class _Greedy:
     """Algorithm 2 state: worker loads, a lazy min-heap of keys ``load * W + w`` (integer loads) or
     ``(load, w)`` (float loads; same order), entries whose load is out of date being dropped when they
-    surface, and the selected prefixes C_r (shared group -> worker -> prefix end)."""
+    surface, and the selected prefixes C_r of the shared groups selected somewhere: ``self.groups[g]`` =
+    [worker -> selected prefix end p, worker -> bytes of [0, p) it does not hold, longest p, shortest p]
+    (a group gets its record at its first selection; no record = C_r holds it nowhere).
+
+    The loop runs once per tile (tens of thousands per 1M pool), so it reads locals and one record per group
+    rather than four dicts, and builds heap keys inline (issue 25)."""
 
     def __init__(self, st: _Static, num_workers: int, head_split: int, cap: float, int_loads: bool = True) -> None:
         self.st, self.num_workers, self.head_split, self.cap = st, num_workers, head_split, cap
+        self.int_loads = int_loads
         self.loads = [0] * num_workers if int_loads else [0.0] * num_workers
-        if int_loads:
-            self.key, self.unkey = (lambda load, w: load * num_workers + w), (lambda k: divmod(k, num_workers))
-        else:
-            self.key, self.unkey = (lambda load, w: (load, w)), (lambda k: k)
         self.heap = [self.key(self.loads[w], w) for w in range(num_workers)]  # sorted, so a valid heap
-        # C_r of shared groups: group -> worker -> selected prefix end p, and -> bytes of [0, p) it does not hold
-        self.prefix: Dict[int, Dict[int, int]] = {g: {} for g in st.all_shared_groups}
-        self.saved: Dict[int, Dict[int, int]] = {g: {} for g in st.all_shared_groups}
-        self.longest: Dict[int, int] = {g: 0 for g in st.all_shared_groups}
-        self.shortest: Dict[int, int] = {}
+        self.groups: Dict[int, list] = {}
         self.fallbacks = self.kv_bytes = self.qo_bytes = 0
 
-    def _group_savings(self, group: int, doc_key: int, end: int) -> Dict[int, int]:
-        """worker -> bytes of [0, min(p, end)) it does not hold, for the workers with group g in C_r.
-        The stored dict itself when no selected prefix is longer than ``end`` (always under group fetch)."""
-        if end >= self.longest[group]:
-            return self.saved[group]
-        saved, runs, kvb = self.saved[group], self.st.held_runs, self.st.kv_bytes_per_row
-        if end <= self.shortest[group]:  # every selected prefix covers [0, end): only holders save less
-            part = dict.fromkeys(self.prefix[group], end * kvb)
+    def key(self, load, w: int):
+        return load * self.num_workers + w if self.int_loads else (load, w)
+
+    def unkey(self, k):
+        return divmod(k, self.num_workers) if self.int_loads else k
+
+    def _group_savings(self, rec: list, doc_key: int, end: int) -> Dict[int, int]:
+        """worker -> bytes of [0, min(p, end)) it does not hold, for the workers with group g (record ``rec``) in
+        C_r, when some selected prefix is longer than ``end`` (else the stored dict is the answer)."""
+        saved, runs, kvb = rec[_SAVED], self.st.held_runs, self.st.kv_bytes_per_row
+        if end <= rec[_SHORTEST]:  # every selected prefix covers [0, end): only holders save less
+            part = dict.fromkeys(rec[_PREFIX], end * kvb)
             for w in self.st.holders.get(doc_key, ()):
                 if w in part:
                     x = end - _held_below(runs[doc_key + w], end)
@@ -225,7 +229,7 @@ class _Greedy:
                         del part[w]
             return part
         part = {}
-        for w, p in self.prefix[group].items():
+        for w, p in rec[_PREFIX].items():
             if p <= end:
                 part[w] = saved[w]
             else:
@@ -238,11 +242,12 @@ class _Greedy:
     def savings(self, ends: tuple, klass: int) -> Optional[Dict[int, int]]:
         """worker -> Eq. 8 bytes it saves on this tile because prefixes of its shared groups are in C_r:
         the rows of [0, min(p, e)) it does not hold (only positive savings are listed; read-only)."""
-        out = None
+        out, groups = None, self.groups
         for base, doc_key, end in ends:
-            if not self.prefix[base + klass]:
+            rec = groups.get(base + klass)
+            if rec is None:
                 continue
-            part = self._group_savings(base + klass, doc_key, end)
+            part = rec[_SAVED] if end >= rec[_LONGEST] else self._group_savings(rec, doc_key, end)
             if out is None:
                 out = part
             elif part:
@@ -254,20 +259,23 @@ class _Greedy:
     def select(self, ends: tuple, klass: int, worker: int) -> None:
         """C_worker |= the tile's prefixes of shared groups (Algorithm 2 line 12); a prefix the worker
         holds completely can never save anything and is not recorded."""
-        runs, kvb = self.st.held_runs, self.st.kv_bytes_per_row
+        runs, kvb, groups = self.st.held_runs, self.st.kv_bytes_per_row, self.groups
         for base, doc_key, end in ends:
-            group = base + klass
-            prefix = self.prefix[group]
-            if end <= prefix.get(worker, 0):
+            rec = groups.get(base + klass)
+            if rec is not None and end <= rec[_PREFIX].get(worker, 0):
                 continue
             held = runs.get(doc_key + worker)
             missing = end if held is None else end - _held_below(held, end)
             if missing > 0:
-                prefix[worker] = end
-                self.saved[group][worker] = missing * kvb
-                if end > self.longest[group]:
-                    self.longest[group] = end
-                self.shortest[group] = min(self.shortest.get(group, end), end)  # a lower bound: prefixes only grow
+                if rec is None:
+                    groups[base + klass] = [{worker: end}, {worker: missing * kvb}, end, end]
+                    continue
+                rec[_PREFIX][worker] = end
+                rec[_SAVED][worker] = missing * kvb
+                if end > rec[_LONGEST]:
+                    rec[_LONGEST] = end
+                if end < rec[_SHORTEST]:  # a lower bound: prefixes only grow
+                    rec[_SHORTEST] = end
 
     def place_block(self, block: int, f, assignment: List[int], head_shards=None) -> None:
         """Algorithm 2 lines 5-12 for the tiles of ``block`` on ``head_shards`` (default all H; they must
@@ -281,10 +289,12 @@ class _Greedy:
         """
         st, H, W = self.st, self.head_split, self.num_workers
         ends, groups, home = st.shared_ends[block], st.groups[block], st.homes[block]
-        loads, heap, cap = self.loads, self.heap, self.cap
-        cost_of, offset, worst = st.cost, block * W, st.worst[block]
+        loads, heap, cap, int_loads = self.loads, self.heap, self.cap, self.int_loads
+        cost_of, offset, worst, qo, class_of_shard = st.cost, block * W, st.worst[block], st.qo_bytes[block], \
+            st.class_of_shard
+        base_tile = block * H
         for head in range(H) if head_shards is None else head_shards:
-            klass = st.class_of_shard[head]
+            klass = class_of_shard[head]
             savings = self.savings(ends, klass) if ends else None
             best = None
             if savings and len(savings) > _FEW_RESIDENTS:
@@ -305,14 +315,15 @@ class _Greedy:
                         best = (c, loads[w], w)
                     break
             cost, _, worker = best if best is not None else self._least_loaded(block, savings or {}, f)
-            assignment[block * H + head] = worker
-            loads[worker] += f
-            heappush(heap, self.key(loads[worker], worker))
+            assignment[base_tile + head] = worker
+            load = loads[worker] + f
+            loads[worker] = load
+            heappush(heap, load * W + worker if int_loads else (load, worker))
             if worker == home:
                 self.kv_bytes += cost
             else:
-                self.qo_bytes += st.qo_bytes[block]
-                self.kv_bytes += cost - st.qo_bytes[block]
+                self.qo_bytes += qo
+                self.kv_bytes += cost - qo
             if ends:
                 self.select(ends, klass, worker)
 
@@ -356,18 +367,20 @@ class _Greedy:
         """No candidate or saver is feasible; all other workers cost ``worst``. So the least-loaded worker
         wins if feasible (it is none of them then); else Algorithm 2 line 10: argmin (L, dcomm, r).
         Returns (cost, load, worker)."""
-        W, worst, heap, loads, unkey = self.num_workers, self.st.worst[block], self.heap, self.loads, self.unkey
-        while loads[unkey(heap[0])[1]] != unkey(heap[0])[0]:
+        W, worst, heap, loads = self.num_workers, self.st.worst[block], self.heap, self.loads
+        while True:  # drop out-of-date heap entries
+            load, w = divmod(heap[0], W) if self.int_loads else heap[0]
+            if loads[w] == load:
+                break
             heappop(heap)
-        load, w = unkey(heap[0])
         if load + f <= self.cap:
             return worst, load, w
         self.fallbacks += 1
-        offset, best = block * W, None
+        offset, best, cost_of = block * W, None, self.st.cost
         for w in range(W):  # ascending id: the first of equal cost wins
             if loads[w] != load:
                 continue
-            cost = self.st.cost.get(offset + w, worst) - savings.get(w, 0)
+            cost = cost_of.get(offset + w, worst) - savings.get(w, 0)
             if best is None or cost < best[0]:
                 best = (cost, load, w)
         return best
