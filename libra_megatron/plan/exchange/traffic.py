@@ -123,13 +123,14 @@ def _kv_share(heads: HeadLayout) -> np.ndarray:
 def chunk_phase_bytes(q_sent, q_received, kv_sent, kv_received, heads: HeadLayout) -> np.ndarray:
     """float64 [n, 2, M]: max(bytes sent, bytes received) on one link class of every chunk's dispatch (index 0:
     Q/M, plus K/V/F on the F chunks of ``heads.kv_send_chunks()``) and return (index 1: O/M; a worker sends
-    back the O of the Q it received), from the per-worker totals [n] of that class (module docstring)."""
+    back the O of the Q it received), from the per-worker totals [n] of that class (module docstring). Totals
+    of any shape [...] give [..., 2, M] (the time-aware search prices both link classes in one call)."""
     M, kv_share = heads.num_chunks, _kv_share(heads)
-    q_sent, q_received, kv_sent, kv_received = (np.asarray(x, dtype=np.float64)[:, None]
+    q_sent, q_received, kv_sent, kv_received = (np.asarray(x, dtype=np.float64)[..., None]
                                                 for x in (q_sent, q_received, kv_sent, kv_received))
     dispatch = np.maximum(q_sent / M + kv_sent * kv_share, q_received / M + kv_received * kv_share)
     ret = np.broadcast_to(np.maximum(q_sent, q_received) / M, dispatch.shape)
-    return np.stack([dispatch, ret], axis=1)
+    return np.stack([dispatch, ret], axis=-2)
 
 
 def plan_traffic(plan) -> PlanTraffic:

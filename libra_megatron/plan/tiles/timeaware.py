@@ -207,10 +207,8 @@ class _PoolTraffic:
     def seconds(self, rows: np.ndarray) -> np.ndarray:
         """Seconds of workers with state ``rows`` [n, 10] (``plan.model.timing`` over ``plan.exchange.traffic``'s phases)."""
         rows = np.asarray(rows, dtype=np.float64).reshape(-1, _NCOL)
-        heads = self.tiles.heads
-        intra, inter = (chunk_phase_bytes(*(rows[:, base + k] for k in (_QS, _QR, _KS, _KR)), heads)
-                        for base in (0, _INTER))
-        link = self.model.comm_seconds(intra, inter)
+        phases = chunk_phase_bytes(*(rows[:, [k, _INTER + k]] for k in (_QS, _QR, _KS, _KR)), self.tiles.heads)
+        link = self.model.comm_seconds(phases[:, 0], phases[:, 1])  # [n, 2, M]: (intra, inter) -> phase seconds
         return self.model.worker_seconds(rows[:, _L], rows[:, _X], link[:, 0], link[:, 1])
 
     def _edges(self, parts: list, cand, src, dst, nbytes, kind: int) -> None:
@@ -357,30 +355,47 @@ def _candidate_tiles(pool: _PoolTraffic, star: int, limit: int) -> np.ndarray:
 
 
 def _destinations(pool: _PoolTraffic, cands: np.ndarray, star: int, times: np.ndarray, light: np.ndarray):
-    """(tiles, destinations) of the single moves: each tile to its Q-home, w*, the lightest workers (``light``:
-    ascending time), the lightest of w*'s node and of its home node, and the lightest that already fetched
-    enough of its longest group (ties by id)."""
-    node, W = pool.node, pool.W
-    lightest = light[:_LIGHTEST].tolist()
-    on_node = {}
-    for n in np.unique(node).tolist():
-        on_node[n] = light[node[light] == n][:_LIGHTEST].tolist()
-    near = on_node[int(node[star])]
-    out_t, out_d = [], []
-    for t in cands.tolist():
-        home, top = int(pool.home[t]), int(pool.top_ref[t])
-        have = []
-        if top >= 0:
-            group, end = int(pool.ref_group[top]), pool.ref_end[top]
-            lo, hi = np.searchsorted(pool._key, (group * W, group * W + W))
-            ok = (pool._c1[lo:hi] > 0) & (pool._m1[lo:hi] >= end)
-            ws = pool._key[lo:hi][ok] - group * W
-            have = ws[np.argsort(times[ws], kind="stable")[:_LIGHTEST]].tolist()
-        dests = dict.fromkeys([home, star] + lightest + near + on_node[int(node[home])] + have)
-        dests.pop(int(pool.assignment[t]), None)
-        out_t += [t] * len(dests)
-        out_d += list(dests)
-    return np.asarray(out_t, dtype=np.int64), np.asarray(out_d, dtype=np.int64)
+    """(tiles, destinations) of the single moves, sorted by (tile, destination): each tile to its Q-home, w*, the
+    lightest workers (``light``: ascending time), the lightest of w*'s node and of its home node, and the lightest
+    that already fetched enough of its longest group (ties by id); never to the tile's own worker. One numpy pass
+    over all tiles (issue 25); the order of the moves does not change their prices (each is priced alone)."""
+    node, W, n = pool.node, pool.W, cands.size
+    _, node_rank = np.unique(node, return_inverse=True)
+    per_node = np.full((int(node_rank.max()) + 1, _LIGHTEST), -1, dtype=np.int64)  # the lightest of every node
+    by_node = light[np.argsort(node_rank[light], kind="stable")]
+    rank = np.arange(W) - np.searchsorted(node_rank[by_node], node_rank[by_node])
+    few = rank < _LIGHTEST
+    per_node[node_rank[by_node[few]], rank[few]] = by_node[few]
+    home = pool.home[cands]
+    fixed = np.concatenate([[star], light[:_LIGHTEST], per_node[node_rank[star]]])
+    cols = [home[:, None], np.broadcast_to(fixed, (n, fixed.size)), per_node[node_rank[home]], _have(pool, cands, times)]
+    dests = np.concatenate(cols, axis=1)
+    row = np.broadcast_to(np.arange(n)[:, None], dests.shape)
+    keep = (dests >= 0) & (dests != pool.assignment[cands][:, None])
+    pair = np.unique(row[keep] * W + dests[keep])
+    return cands[pair // W], pair % W
+
+
+def _have(pool: _PoolTraffic, cands: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """int64 [n, _LIGHTEST]: per tile, the lightest workers (ties by id) whose selected prefix of the tile's longest
+    group already covers its kv end (-1: none)."""
+    W, out = pool.W, np.full((cands.size, _LIGHTEST), -1, dtype=np.int64)
+    top = pool.top_ref[cands]
+    tile = np.flatnonzero(top >= 0)
+    if not tile.size or not pool._key.size:
+        return out
+    group, end = pool.ref_group[top[tile]], pool.ref_end[top[tile]]
+    lo, hi = np.searchsorted(pool._key, group * W), np.searchsorted(pool._key, group * W + W)
+    pos, seg = expand_ranges(lo, hi - lo), np.repeat(np.arange(tile.size), hi - lo)
+    ok = (pool._c1[pos] > 0) & (pool._m1[pos] >= end[seg])
+    pos, seg = pos[ok], seg[ok]
+    ws = pool._key[pos] - group[seg] * W
+    order = np.lexsort((pos, times[ws], seg))  # per tile: by time, ties in table order (= worker id)
+    ws, seg = ws[order], seg[order]
+    rank = np.arange(seg.size) - np.searchsorted(seg, seg)
+    few = rank < _LIGHTEST
+    out[tile[seg[few]], rank[few]] = ws[few]
+    return out
 
 
 def _extended_sets(pool: _PoolTraffic, t: int, dst: int) -> List[tuple]:
