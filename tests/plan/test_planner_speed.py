@@ -1,0 +1,131 @@
+"""Issue 25, the planner's speed-ups: every fast path gives exactly what the code before it gave.
+
+References: ``_alg2_reference`` (Algorithm 2's greedy loop before), ``_timeline_reference`` below (the timeline
+priced one lead per call, as ``best_lead`` did), ``chunk_phase_bytes`` one link class per call (as the search
+called it), and for the whole 'dense' placement the exchange-plan fingerprints of the code before (commit
+27407ac) on real-trace pools (``test_timeaware`` compares the search itself with its per-move reference)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libra_megatron.config import TilePlacement
+from libra_megatron.plan.exchange import chunk_phase_bytes
+from libra_megatron.plan.layout import HeadLayout
+from libra_megatron.plan.model import RelayTiming, StepTimeModel, best_lead, pipeline_seconds
+from libra_megatron.plan.tiles import place_tiles
+from libra_megatron.plan.tiles.alg2 import place_alg2
+
+from . import _alg2_reference
+from .test_placement import pools
+from .test_timeaware import _shipped_pools
+
+
+def _timeline_reference(local, remote, dispatch, ret, lead, relay=None):
+    """``plan.model.timing._timeline`` before issue 25: one lead per worker, [W] only."""
+    M = dispatch.shape[1]
+    unsplit = lead > M
+    local, remote, lead = np.where(unsplit, 0.0, local), np.where(unsplit, local + remote, remote), np.minimum(lead, M)
+    arrived = np.cumsum(dispatch, axis=1)
+    link = arrived[:, -1]
+    relay_free = np.zeros_like(link)
+    t = local * lead / M
+    for m in range(M):
+        t = np.maximum(t, arrived[:, m])
+        if relay is not None and (relay.seconds[:, m].any() or relay.receives[:, m].any()):
+            peers = np.where(relay.partners, t[None, :], 0.0).max(axis=1, initial=0.0)
+            relay_free = np.maximum(np.maximum(t, peers), relay_free) + relay.seconds[:, m]
+            t = np.where(relay.receives[:, m], np.maximum(t, relay_free), t)
+        t = t + remote / M
+        link = np.maximum(t, link) + ret[:, m]
+    t = t + local * (M - lead) / M
+    return np.maximum(np.maximum(t, link), relay_free)
+
+
+def _best_lead_reference(local, remote, dispatch, ret, relay=None):
+    M = dispatch.shape[1]
+    times = np.stack([_timeline_reference(local, remote, dispatch, ret, np.full(local.shape, k, dtype=np.int64), relay)
+                      for k in range(M + 2)])
+    near = times <= times.min(axis=0) * (1.0 + 1e-12) + 1e-300
+    return (M + 1 - np.argmax(near[::-1], axis=0)).astype(np.int64)
+
+
+@st.composite
+def _timeline_cases(draw):
+    seed, W, M = draw(st.integers(0, 2**31 - 1)), draw(st.integers(1, 12)), draw(st.integers(1, 6))
+    rng = np.random.default_rng(seed)
+    local = rng.random(W) * (rng.random(W) < 0.7)
+    remote, dispatch, ret = rng.random(W), rng.random((W, M)) * (rng.random((W, M)) < 0.8), rng.random((W, M))
+    relay = None
+    if draw(st.booleans()):
+        moves = rng.random((W, W)) < 0.3
+        np.fill_diagonal(moves, False)
+        sends = rng.random(M) < 0.6
+        relay = RelayTiming(seconds=rng.random((W, M)) * sends, partners=moves | moves.T,
+                            receives=moves.any(axis=0)[:, None] & sends[None, :])
+    return local, remote, dispatch, ret, relay
+
+
+@settings(max_examples=200, deadline=None)
+@given(_timeline_cases())
+def test_best_lead_prices_all_leads_at_once_bit_identically(case):
+    local, remote, dispatch, ret, relay = case
+    expected = _best_lead_reference(local, remote, dispatch, ret, relay)
+    np.testing.assert_array_equal(best_lead(local, remote, dispatch, ret, relay), expected)
+    seconds = pipeline_seconds(local, remote, dispatch, ret, relay=relay)[0]
+    np.testing.assert_array_equal(seconds, _timeline_reference(local, remote, dispatch, ret, expected, relay))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(32, 4, 4, 4), (32, 4, 2, 4), (128, 16, 1, 8), (32, 8, 4, 2)]))
+def test_chunk_phase_bytes_of_both_link_classes_equals_one_class_per_call(seed, shape):
+    hq, hkv, H, M = shape
+    heads = HeadLayout(hq, hkv, 128, H, M, elem_bytes=2)
+    totals = [np.random.default_rng(seed + k).integers(0, 10**9, (7, 2)).astype(np.float64) for k in range(4)]
+    both = chunk_phase_bytes(*totals, heads)
+    for c in range(2):
+        np.testing.assert_array_equal(both[:, c], chunk_phase_bytes(*(x[:, c] for x in totals), heads))
+
+
+@settings(max_examples=150, deadline=None)
+@given(pools())
+def test_alg2_loop_equals_the_loop_before_on_small_pools(case):
+    tiles, tau = case
+    got, expected = place_alg2(tiles, tau), _alg2_reference.place_alg2(tiles, tau)
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1:] == expected[1:]
+    cost = np.random.default_rng(tiles.num_tiles).random(tiles.num_tiles)  # float loads: tile by tile
+    got, expected = place_alg2(tiles, tau, cost), _alg2_reference.place_alg2(tiles, tau, cost)
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[1:] == expected[1:]
+
+
+@pytest.fixture(scope="module")
+def shipped_pools():
+    return _shipped_pools()
+
+
+def test_alg2_loop_equals_the_loop_before_on_real_pools(shipped_pools):
+    for tiles in shipped_pools:
+        got, expected = place_alg2(tiles, 0.03), _alg2_reference.place_alg2(tiles, 0.03)
+        np.testing.assert_array_equal(got[0], expected[0])
+        assert got[1:] == expected[1:]
+
+
+# ExchangePlan fingerprints of place_tiles(DENSE) on ``_shipped_pools()`` by the code before issue 25's speed-ups
+# (commit 27407ac), (kv_relay off, on) per pool: linux 0, 1, wikipedia 0, 1
+_FINGERPRINTS_BEFORE = (
+    ("1746563420096ba04f12ba33e9d7010e", "1746563420096ba04f12ba33e9d7010e"),
+    ("1ed3a4ec62f56ea5e3b22314d2e285b1", "8a2680b2d30734e08533b08eb5c392dd"),
+    ("64843de4be75119a0c9dfb63ec789ea7", "19bfb2a8b8c28ea7a5a095ac13c52bca"),
+    ("9021556d67ea17d85fb47d8cac21fd28", "9021556d67ea17d85fb47d8cac21fd28"),
+)
+
+
+def test_dense_placement_plans_are_the_plans_before_on_real_pools(shipped_pools):
+    for tiles, expected in zip(shipped_pools, _FINGERPRINTS_BEFORE):
+        got = tuple(place_tiles(tiles, 0.03, TilePlacement.DENSE, timing=StepTimeModel(128, kv_relay=relay))
+                    .exchange.fingerprint for relay in (False, True))
+        assert got == expected
