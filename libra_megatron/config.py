@@ -51,7 +51,7 @@ class TilePlacement(str, enum.Enum):
     ALG2 = "alg2"  # the paper's communication-aware greedy, Algorithm 2
     REFINED = "refined"  # Algorithm 2 then local moves that lower max load, never worse than ALG2
     TIME = "time"  # Algorithm 2 then moves that lower the slowest worker's compute + exposed comm (plan.tiles.timeaware)
-    DENSE = "dense"  # Algorithm 2, node export of the densest tiles, then time-aware moves; each kept when faster
+    DENSE = "dense"  # Algorithm 2, its node export, time-aware moves: the fastest whole layer (placement._run_dense)
 
 
 class PackingMode(str, enum.Enum):

@@ -23,13 +23,14 @@ import numpy as np
 
 from ...config import TilePlacement
 from .alg2 import capacity, place_alg2, tile_loads
-from ..exchange import build_exchange_plan, fetched_groups, plan_worker_seconds
+from ..exchange import build_exchange_plan, fetched_groups, plan_layer_timing
 from ..model import StepTimeModel
 from .node_export import export_dense_first
 from .tiles import TileSet
 from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, refine_for_time, time_moves
 
-__all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads"]
+__all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads",
+           "layer_seconds"]
 
 _MAX_REFINE_STEPS_PER_WORKER = 4  # REFINED stops after 4*W accepted moves/swaps
 
@@ -43,7 +44,7 @@ class TilePlacementResult:
     capacity     float              C = (1 + tau) * sum(f) / W (Algorithm 2, line 3)
     comm_bytes   (q, kv, o) ints    Eq. 8 total of the assignment split by kind (bytes per layer forward)
     num_fallback int                tiles placed by the fallback branch (no worker had headroom)
-    exchange     ExchangePlan|None  the plan of ``assignment`` when the placer built it (DENSE prices both
+    exchange     ExchangePlan|None  the plan of ``assignment`` when the placer built it (DENSE prices its
                                     candidates with their plans; ``plan_pool`` reuses it instead of rebuilding)
     """
 
@@ -159,31 +160,35 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 
 
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
-    """ALG2, then ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, then
-    ``DENSE_TIME_ROUNDS`` rounds of time-aware moves (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``); each
-    step is kept only when the pool's slowest worker is faster under ``timing`` (exchange plans priced, ties
-    keep the earlier one). Returns the placer tuple plus the winner's plan."""
+    """ALG2, its ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, and ``DENSE_TIME_ROUNDS``
+    rounds of time-aware moves from the export (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``): of the
+    three, the one whose whole layer is fastest (``layer_seconds``), ties keeping the earlier. Returns the placer
+    tuple plus the winner's plan.
+
+    Issue 24: the candidates were kept by the forward-only timeline (``plan_worker_seconds``), which underprices
+    the coupled forward (1M pools: it kept Algorithm 2 where the runtime's forward is 30% slower than the
+    export's) and cannot see the backward, where its moves often cost more than they saved."""
     timing = timing or StepTimeModel(tiles.heads.head_dim)
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
-    kept = (start, build_exchange_plan(tiles, start, timing))
-    kept = _faster(tiles, timing, kept,
-                   export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers)))
-    kept = _faster(tiles, timing, kept, time_moves(tiles, kept[0], timing, DENSE_TIME_ROUNDS, DENSE_WIDTH))
-    assignment, plan = kept
+    exported = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
+    moved = time_moves(tiles, exported, timing, DENSE_TIME_ROUNDS, DENSE_WIDTH)
+    priced = []  # (assignment, its plan, its layer seconds) of each distinct candidate
+    for candidate in (start, exported, moved):
+        if not any(np.array_equal(candidate, seen) for seen, _, _ in priced):
+            plan = build_exchange_plan(tiles, candidate, timing)
+            priced.append((candidate, plan, layer_seconds(plan, timing)))
+    assignment, plan, _ = min(priced, key=lambda c: c[2])  # min keeps the first of equal times
     if assignment is not start:
         comm = assignment_comm_bytes(tiles, assignment)
     return assignment, cap, fallbacks, comm, plan
 
 
-def _faster(tiles: TileSet, timing: StepTimeModel, kept: tuple, candidate: np.ndarray) -> tuple:
-    """(assignment, plan): ``candidate`` and its exchange plan when its slowest worker is faster under
-    ``timing`` than ``kept``'s, else ``kept``."""
-    if np.array_equal(candidate, kept[0]):
-        return kept
-    plan = build_exchange_plan(tiles, candidate, timing)
-    if plan_worker_seconds(plan, timing).max() < plan_worker_seconds(kept[1], timing).max():
-        return candidate, plan
-    return kept
+def layer_seconds(plan, timing: StepTimeModel) -> float:
+    """Seconds of an exchange plan's attention layer: the slowest worker's forward plus the slowest worker's
+    backward, every rank's op list priced with peers coupled (``plan.exchange.plan_layer_timing``, save mode
+    ARRANGED: what ``save_mode=auto`` keeps whenever it fits), the figure the simulator reports per pool."""
+    layer = plan_layer_timing(plan, timing, "arranged")
+    return float(layer.forward.seconds.max() + layer.backward.seconds.max())
 
 
 _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
@@ -213,9 +218,9 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
     TIME: ALG2, then ``plan.tiles.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
-    DENSE: ALG2, then dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes, then
-    ``DENSE_TIME_ROUNDS`` rounds of TIME's moves; each kept only when the slowest worker is faster under
-    ``timing``; never slower than ALG2 under that model.
+    DENSE: ALG2, its dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes, and
+    ``DENSE_TIME_ROUNDS`` rounds of TIME's moves from the export: the one whose whole layer (forward + backward,
+    peers coupled: ``layer_seconds``) is fastest under ``timing``; never slower than ALG2 under that model.
     """
     method = TilePlacement(method)
     if timing is not None and method not in _TIMED:
