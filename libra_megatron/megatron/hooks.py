@@ -369,7 +369,7 @@ def _to_numpy(value: Any) -> Any:
 
 
 def _start_planner(config: LibraConfig, args: argparse.Namespace) -> Any:
-    from .planner import build_planner_from_args
+    from .planner_setup import build_planner_from_args
 
     return build_planner_from_args(config, args)
 

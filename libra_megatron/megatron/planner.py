@@ -1,11 +1,14 @@
 """Planning off the critical path (§4.1, Fig. 6): a background planner (a process or a thread) plans the next pools.
 
-Every rank plans deterministically from the same metadata (``libra_pool_segments``: the segment lengths of its
-pool's P sequences); ``plan_pool`` is a pure function of them and the layouts, so the P*CP ranks of a pool compute
-byte-identical plans with no broadcast (``libra_attn_func`` checks fingerprints before its first collective), at
-P*CP-fold redundant CPU work (75-115 ms a pool at the shipped knobs, ``benchmarks/bench_planner.py``).
+Every rank asks for its plans from the same metadata (``libra_pool_segments``: the segment lengths of its pool's P
+sequences); ``plan_pool`` is a pure function of them, the config, the layouts and the pool's step-time model, so a
+plan is the same whoever makes it (``libra_attn_func`` checks fingerprints before its first collective). In a
+Megatron-LM run the planner processes share a per-run plan directory (``plan_store``; ``planner_setup.build_planner_from_args``):
+each pool is planned by the one process of the node that claims it and read by the node's other ranks, so a pool
+costs one planning call per node instead of P*CP (per job, with ``LIBRA_PLAN_SHARE_DIR`` on a filesystem every
+node mounts). ``LIBRA_PLANNER_LEDGER=<file>`` logs every planning call (``planner_process``).
 
-Where it runs (issue 25). ``mode="process"`` (what ``build_planner_from_args`` starts for a Megatron-LM run) plans in
+Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner_from_args`` starts for a Megatron-LM run) plans in
 a separate, spawned Python process per rank: the training interpreter only pickles the pool segments to it and
 unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per plan), so the placement's
 search never holds the training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in
@@ -50,10 +53,9 @@ import numpy as np
 
 from ..config import LibraConfig, SaveModeName
 from ..plan.layout import HeadLayout, TokenLayout
-from .args import saved_layers_of_stage
 from .planner_process import default_plan_fn, memory as _memory, pool_key, spawn_planner, stop_planner
 
-__all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key", "build_planner_from_args"]
+__all__ = ["BackgroundPlanner", "PlannerError", "PlannedPool", "pool_key"]
 
 PlanFn = Callable[..., Any]  # plan_pool(seq_segments, config, layout, heads, validate=...) -> PoolPlan
 
@@ -64,7 +66,8 @@ class PlannerError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class PlannedPool:
-    """A finished plan: the ``PoolPlan``, how long the thread took (seconds, wall clock), the predicted
+    """A finished plan: the ``PoolPlan``, how long the thread took (seconds, wall clock; for a plan read from the
+    shared plan directory, from its arrival at the planner process until it was read), the predicted
     saved bytes per rank per layer ({"arranged": int64 [W], "refetch": int64 [W]}; empty for plans without
     an exchange) and the resolved save mode (None then)."""
 
@@ -76,6 +79,7 @@ class PlannedPool:
     saved_bytes: Dict[str, np.ndarray] = None
     save_mode: Optional[SaveModeName] = None
     rank_ready_s: Optional[float] = None  # submit -> this worker's RankPlan and tables built (worker set)
+    planned_here: bool = True  # False: read from the shared plan directory, planned by another process
 
 
 class _Slot:
@@ -109,12 +113,15 @@ class BackgroundPlanner:
     mode: "thread" (plan in a thread of this interpreter) or "process" (a spawned planner process; module
         docstring). ``plan_fn`` must then pickle (a module-level function).
     pools_per_window: the pools this rank gets per optimizer step (GA), for ``planner_lead_windows``.
+    share_dir: process mode only: a directory the planner processes of a node (or of all nodes, on a shared
+        filesystem) share (``plan_store``): each pool is planned by the one process that claims it and read by
+        the others. None: this process plans every pool it is asked for.
     """
 
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
                  validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None,
-                 mode: str = "thread", pools_per_window: int = 1):
+                 mode: str = "thread", pools_per_window: int = 1, share_dir: Optional[str] = None):
         self.config, self.layout, self.heads = config, layout, heads
         self._timing = timing  # plan.model.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
@@ -130,8 +137,13 @@ class BackgroundPlanner:
         if mode not in ("thread", "process"):
             raise ValueError(f"BackgroundPlanner: mode must be 'thread' or 'process', got {mode!r}")
         self.mode = mode
+        if share_dir is not None and mode != "process":
+            raise ValueError("BackgroundPlanner: share_dir needs mode='process' (the plan store is polled by the "
+                             "planner process)")
+        self._share_dir = share_dir
         self._process = self._reader = None
         self.plans_made = 0  # pools this planner planned (finished or failed), for the "planned once" checks
+        self.plans_shared = 0  # pools read from the shared plan directory (planned by another process)
         self._per_window = max(1, int(pools_per_window))
         self._low: "collections.deque[str]" = collections.deque()  # metrics' pools: planned when nothing else is
         self._in_flight = 0  # pools handed to the process and not back yet
@@ -347,9 +359,12 @@ class BackgroundPlanner:
             slot.error, slot.error_text = exc, traceback.format_exc()
             self._finish(slot, None)
 
-    def _finish(self, slot: _Slot, result: Optional[PlannedPool]) -> None:
+    def _finish(self, slot: _Slot, result: Optional[PlannedPool], planned_here: bool = True) -> None:
         with self._lock:
-            self.plans_made += 1
+            if planned_here:
+                self.plans_made += 1
+            else:
+                self.plans_shared += 1
             if result is not None:
                 slot.result = result
                 self._latencies.append(result.latency_s)
@@ -368,8 +383,10 @@ class BackgroundPlanner:
     # ------------------------------------------------------------------ process mode
     def _start_process(self) -> None:
         """Spawn the planner process (a fresh interpreter: no training state, no CUDA) and its result reader."""
+        keep = 2 * self._per_window + 2  # plans each process keeps published: two windows' worth, at the most
+        share = None if self._share_dir is None else (self._share_dir, keep, self._timeout_s)
         spec = (self.config, self.layout, self.heads, self._timing, self._validate, self._worker, self._num_layers,
-                self._plan_fn)
+                self._plan_fn, share)
         self._process, self._tasks, self._results = spawn_planner(spec)
         self._reader = threading.Thread(target=self._read, name="libra-planner-reader", daemon=True)
         self._reader.start()
@@ -411,7 +428,7 @@ class BackgroundPlanner:
                 slot.error, slot.error_text = payload
                 self._finish(slot, None)
                 continue
-            plan, latency, saved, mode = payload
+            plan, latency, saved, mode, here = payload
             try:
                 rank_ready = self._materialise_rank(plan, slot.submitted)
             except BaseException as exc:  # noqa: BLE001
@@ -419,7 +436,8 @@ class BackgroundPlanner:
                 self._finish(slot, None)
                 continue
             queued = max(0.0, time.perf_counter() - slot.submitted - latency)
-            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, queued, saved, mode, rank_ready))
+            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, queued, saved, mode, rank_ready, here),
+                         planned_here=here)
         if self._process is not None:
             self._process.join(timeout=5)
             code = self._process.exitcode
@@ -444,57 +462,3 @@ class BackgroundPlanner:
         finished.sort(key=lambda k: self._slots[k].gets_owed > 0)  # stable: keeps LRU order within each group
         for key in finished[: max(0, len(finished) - self._capacity)]:
             del self._slots[key]
-
-
-def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
-    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``;
-    this rank's pool worker id (its RankPlan is materialised by the planner) and its stage's layers alive at once
-    (``args.saved_layers_of_stage``: one under the shipped full recompute), what auto's budget covers. It plans
-    in its own process (``LIBRA_PLANNER_MODE=thread``: in a thread of the trainer).
-
-    Its capacity holds two windows of plans (GBS / (mbs * DP) each, at least 64 plans): the sampler submits a
-    whole window ahead (``LibraHooks`` plan-ahead), and the DataLoader may start the next one early.
-    """
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    hq = args.num_attention_heads // tp
-    hkv = (args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads)
-    kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
-    elem_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
-    layout = TokenLayout(config.token_layout, args.seq_length, cp)
-    heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
-    ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
-    import os
-
-    mode = os.environ.get("LIBRA_PLANNER_MODE", "process")  # "thread": plan in this interpreter (debugging)
-    return BackgroundPlanner(config, layout, heads, capacity=max(64, 2 * ga_per_window), worker=_pool_worker(),
-                             num_layers=saved_layers_of_stage(args), timing=_pool_timing(kv_channels), mode=mode,
-                             pools_per_window=ga_per_window)
-
-
-def _pool_timing(head_dim: int):
-    """The step-time model of this rank's pool: its workers' nodes = pool ranks // GPUs per node (torchrun's
-    LOCAL_WORLD_SIZE, else the visible CUDA devices, else 8); None before the pool groups exist (the placers
-    then assume consecutive GPUs from a node boundary). The same on every rank of a pool: same ranks, same env."""
-    import os
-
-    from ..plan.model import StepTimeModel
-    from . import groups
-
-    if not groups.pool_groups_initialized():
-        return None
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if per_node < 1:
-        import torch
-
-        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 8
-    nodes = tuple(int(r) // per_node for r in groups.get_pool_ranks())
-    return StepTimeModel(head_dim, gpus_per_node=per_node, worker_nodes=nodes)
-
-
-def _pool_worker() -> Optional[int]:
-    """This rank's pool-local worker id p*CP + c, when the pool groups exist (they do in the launcher)."""
-    from . import groups
-
-    return groups.get_pool_rank() if groups.pool_groups_initialized() else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import socket
 import pickle
 import sys
 import time
@@ -16,7 +18,9 @@ import numpy as np
 from ..config import LibraConfig
 from ..plan.layout import HeadLayout, TokenLayout
 
-__all__ = ["default_plan_fn", "memory", "pool_key", "planner_process", "spawn_planner", "stop_planner"]
+__all__ = ["default_plan_fn", "memory", "pool_key", "planner_process", "spawn_planner", "stop_planner", "LEDGER_ENV"]
+
+LEDGER_ENV = "LIBRA_PLANNER_LEDGER"
 
 
 def pool_key(pool_segments: Sequence[Sequence[int]]) -> str:
@@ -48,40 +52,155 @@ def memory(plan, config: LibraConfig, heads: HeadLayout, layout: TokenLayout, nu
 
 def planner_process(tasks, results, spec) -> None:
     """Body of the planner process: plan every pool it is sent, send back (key, True, (plan, seconds, saved bytes,
-    save mode)) or (key, False, (exception, traceback text)); exits on None or when the trainer is gone."""
+    save mode, planned here)) or (key, False, (exception, traceback text)); exits on None or when the trainer is
+    gone.
+
+    With a shared plan directory (``spec``'s last item, ``plan_store``), a pool is planned only by the process
+    that wins its claim; the others keep serving their other pools while they poll for it (``_SharedPools``)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's: it closes this process
-    config, layout, heads, timing, validate, worker, num_layers, plan_fn = spec
+    # A trainer that exits without close() terminates its daemonic children: leave through the finally below, which
+    # removes this process's shared plans (a kill or a crash leaves them, in the run's own directory).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config, layout, heads, timing, validate, worker, num_layers, plan_fn, share = spec
     plan_fn = plan_fn or default_plan_fn
     extra = {} if timing is None else {"timing": timing}
-    while True:
+
+    def plan(segments):
+        return plan_fn([list(s) for s in segments], config, layout, heads, validate=validate, **extra)
+
+    def finish(key, ok, payload, seconds, here):
+        """The message of a pool: payload is the plan (ok) or (exception, traceback text)."""
+        if not ok:
+            return key, False, payload
         try:
-            task = tasks.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        key, segments = task
-        start = time.perf_counter()
-        try:
-            plan = plan_fn([list(s) for s in segments], config, layout, heads, validate=validate, **extra)
-            exchange = getattr(plan, "exchange", None)
+            exchange = getattr(payload, "exchange", None)
             if worker is not None and exchange is not None:
                 exchange.for_rank(worker)  # the RankPlan travels in the plan's cache
-            saved, mode = memory(plan, config, heads, layout, num_layers)
-            out = (key, True, (plan, time.perf_counter() - start, saved, mode))
-        except BaseException as exc:  # noqa: BLE001 - sent to the trainer, raised by its get()
-            text = traceback.format_exc()
-            try:
-                pickle.dumps(exc)
-            except Exception:  # noqa: BLE001
-                exc = RuntimeError(f"{type(exc).__name__}: {exc}")
-            out = (key, False, (exc, text))
+            saved, mode = memory(payload, config, heads, layout, num_layers)
+            return key, True, (payload, seconds, saved, mode, here)
+        except BaseException as exc:  # noqa: BLE001
+            return key, False, _error_payload(exc)
+
+    shared = None
+    if share is not None:
+        from .plan_store import PlanStore
+
+        directory, keep, timeout_s = share
+        shared = _SharedPools(PlanStore(directory, (config, layout, heads, timing, validate, plan_fn), keep),
+                              plan, timeout_s)
+    try:
+        _serve(tasks, results, plan, finish, shared)
+    finally:
+        if shared is not None:
+            shared.store.close()
+
+
+def _serve(tasks, results, plan, finish, shared) -> None:
+    """The task loop: block on the pipe while nothing is pending, else poll the shared pools every 2 ms."""
+    while True:
         try:
-            results.send(out)
+            while shared is None or not shared.pending or tasks.poll(0.002):
+                task = tasks.recv()
+                if task is None:
+                    return
+                key, segments = task
+                if shared is None:
+                    start = time.perf_counter()
+                    ok, payload = _plan_or_error(plan, segments)
+                    _ledger(key, time.perf_counter() - start)
+                    results.send(finish(key, ok, payload, time.perf_counter() - start, True))
+                else:
+                    shared.add(key, segments)
+                    break
+            if shared is not None:
+                for done in shared.ready():
+                    results.send(finish(*done))
         except (EOFError, OSError):
             return
+
+
+def _ledger(key: str, seconds: float) -> None:
+    """``LIBRA_PLANNER_LEDGER=<file>``: one line ``"<pool key> <host> <pid> <seconds>"`` per planning call (tests
+    count them; an operator can audit where planning ran). One short O_APPEND write: lines do not interleave."""
+    path = os.environ.get(LEDGER_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{key} {socket.gethostname()} {os.getpid()} {seconds:.6f}\n")
+
+
+def _plan_or_error(plan, segments) -> tuple:
+    """(True, plan) or (False, (exception, traceback text))."""
+    try:
+        return True, plan(segments)
+    except BaseException as exc:  # noqa: BLE001 - sent to the trainer, raised by its get()
+        return False, _error_payload(exc)
+
+
+def _error_payload(exc: BaseException) -> tuple:
+    text = traceback.format_exc()
+    try:
+        pickle.dumps(exc)
+    except Exception:  # noqa: BLE001
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc, text
+
+
+class _SharedPools:
+    """The pools of one planner process under a shared ``PlanStore``: claimed ones are planned and published,
+    the others are read once their claimant publishes them."""
+
+    def __init__(self, store, plan, timeout_s: float):
+        self.store, self._plan, self._timeout_s = store, plan, float(timeout_s)
+        self.pending: "dict[str, tuple]" = {}  # key -> (digest, segments, when it arrived)
+        self._done: list = []
+
+    def add(self, key: str, segments) -> None:
+        digest = self.store.digest(key)
+        if not self._plan_if_claimed(key, digest, segments):
+            self.pending[key] = (digest, segments, time.perf_counter())
+
+    def _plan_if_claimed(self, key: str, digest: str, segments) -> bool:
+        if not self.store.claim(digest):
+            return False
+        start = time.perf_counter()
+        ok, payload = _plan_or_error(self._plan, segments)
+        seconds = time.perf_counter() - start
+        _ledger(key, seconds)
+        try:
+            if ok:
+                self.store.publish(digest, payload)
+            else:
+                self.store.publish_error(digest, *payload)
+        except BaseException as exc:  # noqa: BLE001 - the waiting peers time out; this rank raises now
+            ok, payload = False, _error_payload(exc)
+        self._done.append((key, ok, payload, seconds, True))
+        return True
+
+    def ready(self) -> list:
+        """(key, ok, plan or (exception, text), seconds, planned here) of every pool finished since the last
+        call."""
+        from .plan_store import PlanStoreError
+
+        for key, (digest, segments, since) in list(self.pending.items()):
+            try:
+                got = self.store.poll(digest)
+                if got is None and not self.store.claimed(digest) and self._plan_if_claimed(key, digest, segments):
+                    del self.pending[key]
+                    continue
+                if got is None and time.perf_counter() - since > self._timeout_s:
+                    raise PlanStoreError(f"no plan published within {self._timeout_s:.1f}s by the process that "
+                                         f"claimed it")
+            except PlanStoreError as exc:
+                got = (False, (RuntimeError(f"shared plan of pool {key} in {self.store.directory}: {exc}"), ""))
+            except Exception as exc:  # noqa: BLE001 - e.g. a plan file that does not unpickle: that pool fails
+                got = (False, _error_payload(exc))
+            if got is not None:
+                del self.pending[key]
+                self._done.append((key, got[0], got[1], time.perf_counter() - since, False))
+        done, self._done = self._done, []
+        return done
 
 
 def spawn_planner(spec: tuple):

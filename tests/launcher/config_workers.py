@@ -45,6 +45,9 @@ CPU_SUBSTITUTIONS: Dict[str, Tuple[object, str]] = {
     "--global-batch-size": (2, "one microbatch per rank"),
     "--libra-pool-size": (2, "P=8 needs DP to be a multiple of 8; DP=2 here"),
     "--libra-block-size": (64, "B=4096 > L would make each sequence one tile; B/L as small as at 256K keeps TAP busy"),
+    "--libra-tile-placement": ("alg2", "at 256-token sequences the shipped dense placement prices every tile home "
+                                       "faster (a tile's Q costs more link time than its attention) and would move "
+                                       "nothing; Algorithm 2 moves tiles, so every config's step exchanges Q/KV/O"),
     "--moe-token-dispatcher-type": ("allgather", "the alltoall dispatcher creates a torch.cuda.Stream"),
     "--expert-model-parallel-size": (1, "the allgather dispatcher needs reduce-scatter over EP, which gloo lacks"),
     "--expert-tensor-parallel-size": (1, "(see --expert-model-parallel-size)"),

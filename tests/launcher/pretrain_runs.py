@@ -73,6 +73,8 @@ class PretrainRun:
     output: str
     printed: Dict[int, Dict[str, str]] = field(default_factory=dict)  # iteration -> {"lm loss", "grad norm"}
     scalars: Dict[str, Dict[int, float]] = field(default_factory=dict)  # TensorBoard tag -> {step: value}
+    ledger: List[str] = field(default_factory=list)  # one "<pool key> <host> <pid> <seconds>" per planning call
+    plan_files_left: List[str] = field(default_factory=list)  # the shared plan directory's files after the run
 
     def check(self) -> "PretrainRun":
         tail = "\n".join(self.output.splitlines()[-60:])
@@ -118,13 +120,18 @@ def run_pretrain(nproc: int, flags: Sequence[str], workdir: Path, megatron_lm: s
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "libra_megatron.testing.cpu_shims"]
-    env = dict(os.environ, MEGATRON_LM_PATH=megatron_lm, PYTHONWARNINGS="ignore")
+    ledger = workdir / "planner_ledger.txt"  # every planner process appends its planning calls (plan_store)
+    share = workdir / "plan-share"  # the run's shared plan directory goes below it (plan_store)
+    env = dict(os.environ, MEGATRON_LM_PATH=megatron_lm, PYTHONWARNINGS="ignore", LIBRA_PLANNER_LEDGER=str(ledger),
+               LIBRA_PLAN_SHARE_DIR=str(share))
     result = subprocess.run(cmd + harness_flags, cwd=workdir, env=env, capture_output=True, text=True,
                             timeout=timeout)
     output = result.stdout + result.stderr
     (workdir / "output.log").write_text(output)
     scalars = read_scalars(tensorboard) if tensorboard.is_dir() else {}
-    return PretrainRun(result.returncode, output, parse_printed(output), scalars)
+    lines = ledger.read_text().splitlines() if ledger.is_file() else []
+    left = sorted(str(p.relative_to(share)) for p in share.rglob("*")) if share.is_dir() else []
+    return PretrainRun(result.returncode, output, parse_printed(output), scalars, lines, left)
 
 
 def relative_difference(a: float, b: float) -> float:

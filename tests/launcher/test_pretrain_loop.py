@@ -155,3 +155,20 @@ def test_resume_from_iteration_2_repeats_iterations_3_and_4_exactly(dp4):
     for tag in ("lm loss", "grad-norm", "libra/inter_pool_r1_before", "libra/inter_pool_r1_after",
                 "libra/lane_r1_after", "libra/bytes_kv"):
         assert [resumed.scalars[tag][it] for it in (3, 4)] == [uninterrupted.scalars[tag][it] for it in (3, 4)], tag
+
+
+def test_each_pool_is_planned_once_across_its_ranks(dp4):
+    """Issue 25: at DP=4, P=2 each microbatch has 2 pools of 2 ranks, and the TensorBoard rank's metrics read every
+    pool of the window too. The ranks' planner processes share the run's plan directory (``plan_store``): the
+    ledger they append to holds one planning call per distinct pool, never a pool's key (its document lengths)
+    twice (without the sharing each pool's 2 ranks would both plan it). At most the 2 pools x 2 microbatches x 4 iterations the run
+    trained; fewer because sequences inside the corpus's 41K-token document make identical pools. The run's plan
+    directory (under ``LIBRA_PLAN_SHARE_DIR``) is gone once the run ends."""
+    for name in ("libra", "resumed"):
+        keys = [line.split()[0] for line in dp4[name].ledger]
+        print(f"\n{name}: {len(keys)} planning calls by {len({line.split()[2] for line in dp4[name].ledger})} "
+              f"planner processes")
+        assert len(keys) >= 2 and len(keys) == len(set(keys)), dp4[name].ledger
+    assert len(dp4["libra"].ledger) <= 2 * 2 * TRAIN_ITERS
+    assert not dp4["libra"].plan_files_left and not dp4["resumed"].plan_files_left  # the processes cleaned up
+    assert not dp4["plain"].ledger  # plain Megatron-LM starts no planner

@@ -170,7 +170,7 @@ def test_ulysses_refuses_device_cu_seqlens():
 
 def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thread(monkeypatch):
     from libra_megatron.megatron import groups
-    from libra_megatron.megatron.planner import build_planner_from_args
+    from libra_megatron.megatron.planner_setup import build_planner_from_args
     from libra_megatron.plan.exchange import runtime_tables as rank_tables
 
     monkeypatch.setattr(groups, "pool_groups_initialized", lambda: True)
@@ -199,7 +199,7 @@ def test_planner_from_args_materialises_this_workers_plan_and_tables_in_its_thre
 def test_planner_budgets_the_layers_whose_tensors_are_alive_at_once(monkeypatch, recompute, want):
     """save_mode=auto's budget covers the stage's layers (48 / PP 2) only without full recompute; the shipped
     configs recompute one layer at a time, so one layer's tensors are alive (issue 24)."""
-    from libra_megatron.megatron import planner as planner_module
+    from libra_megatron.megatron import planner_setup as planner_module
 
     seen = {}
     monkeypatch.setattr(planner_module, "BackgroundPlanner", lambda *a, **kw: seen.update(kw) or kw)

@@ -15,7 +15,8 @@ import pytest
 
 from libra_megatron.config import LibraConfig
 from libra_megatron.megatron.hooks import LibraHooks
-from libra_megatron.megatron.planner import BackgroundPlanner, PlannerError, build_planner_from_args, pool_key
+from libra_megatron.megatron.planner import BackgroundPlanner, PlannerError, pool_key
+from libra_megatron.megatron.planner_setup import build_planner_from_args
 from libra_megatron.megatron.sampler import LibraGlobalBatchSampler
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.pool import plan_pool

@@ -148,3 +148,103 @@ def test_a_daemonic_trainer_can_start_its_planner_process():
     status, value = queue.get(timeout=240)
     child.join(timeout=60)
     assert (status, value) == ("ok", 4)
+
+
+# ---------------------------------------------------------------------- shared plan directory (each pool once)
+def _planners(tmp_path, n, **kwargs):
+    return [BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", worker=w, timeout_s=120,
+                              share_dir=str(tmp_path / "plans"), **kwargs) for w in range(n)]
+
+
+def test_ranks_sharing_a_plan_directory_plan_each_pool_once_and_get_the_same_plans(tmp_path, monkeypatch):
+    """Three ranks of one pool ask for the same two pools: the planning calls (counted by the planners and by the
+    ledger the planner processes append to) are one per pool, and every rank gets the plan ``plan_pool`` makes
+    with its own RankPlan."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("LIBRA_PLANNER_LEDGER", str(ledger))
+    direct = {id(p): plan_pool(p, CONFIG, LAYOUT, HEADS).fingerprint for p in (POOL_A, POOL_B)}
+    planners = _planners(tmp_path, 3)
+    try:
+        for planner in planners:
+            planner.submit_many([POOL_A, POOL_B])
+        for w, planner in enumerate(planners):
+            for pool in (POOL_A, POOL_B):
+                planned = planner.get_pool(pool)
+                assert planned.pool_plan.fingerprint == direct[id(pool)]
+                assert planned.pool_plan.exchange.for_rank(w).rank == w
+        assert sum(p.plans_made for p in planners) == 2
+        assert sum(p.plans_shared for p in planners) == 4
+        keys = [line.split()[0] for line in ledger.read_text().splitlines()]
+        assert len(keys) == 2 and len(set(keys)) == 2
+    finally:
+        for planner in planners:
+            planner.close()
+    assert not (tmp_path / "plans").exists()  # each process removed what it published, the last the directory
+    ledger.unlink()
+    alone = [BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", timeout_s=120) for _ in range(2)]
+    try:  # the control: without a shared directory each rank plans both pools, and the ledger shows it
+        for planner in alone:
+            assert planner.get_pool(POOL_A).pool_plan.fingerprint == direct[id(POOL_A)]
+            planner.get_pool(POOL_B)
+        keys = [line.split()[0] for line in ledger.read_text().splitlines()]
+        assert len(keys) == 4 and len(set(keys)) == 2 and sum(p.plans_made for p in alone) == 4
+    finally:
+        for planner in alone:
+            planner.close()
+
+
+def test_a_different_config_does_not_reuse_a_shared_plan(tmp_path):
+    other = LibraConfig(pool_size=P, head_split=2, num_chunks=2, block_size=16, token_layout="zigzag")
+    a = BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", timeout_s=120, share_dir=str(tmp_path))
+    b = BackgroundPlanner(other, LAYOUT, HEADS, mode="process", timeout_s=120, share_dir=str(tmp_path))
+    try:
+        assert a.get_pool(POOL_A).pool_plan.fingerprint == plan_pool(POOL_A, CONFIG, LAYOUT, HEADS).fingerprint
+        assert b.get_pool(POOL_A).pool_plan.fingerprint == plan_pool(POOL_A, other, LAYOUT, HEADS).fingerprint
+        assert a.plans_made == b.plans_made == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_shared_failing_plan_raises_on_every_rank_from_one_planning_call(tmp_path):
+    bad_pool = [[30, 30], [64]]
+    planners = _planners(tmp_path, 2)
+    try:
+        for planner in planners:
+            planner.submit(bad_pool)
+        for planner in planners:
+            with pytest.raises(PlannerError) as info:
+                planner.get_pool(bad_pool)
+            assert "background planner failed for pool" in _first_line(info.value)
+            assert isinstance(info.value.__cause__, (PlanError, ValueError))
+        assert sum(p.plans_made for p in planners) == 2  # one planned (and failed), one read the failure
+    finally:
+        for planner in planners:
+            planner.close()
+
+
+def test_a_claimant_that_dies_fails_the_pool_on_the_other_ranks_at_once(tmp_path):
+    """The rank whose planner process claims CRASH dies (exit code 3); the other rank's process sees the claim's
+    owner gone and fails the pool with one line, long before the timeout, and keeps serving other pools."""
+    dying = BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", plan_fn=crash_or_hang_plan, timeout_s=120,
+                              share_dir=str(tmp_path))
+    other = BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", plan_fn=crash_or_hang_plan, timeout_s=120,
+                              share_dir=str(tmp_path))
+    try:
+        with pytest.raises(PlannerError, match="exit code 3"):
+            dying.get_pool(CRASH)
+        start = time.perf_counter()
+        with pytest.raises(PlannerError) as info:
+            other.get_pool(CRASH)
+        line = _first_line(info.value)
+        assert "failed for pool" in line and "exited without a plan" in line, line
+        assert time.perf_counter() - start < 30
+        assert other.get_pool(POOL_A).pool_plan.fingerprint == plan_pool(POOL_A, CONFIG, LAYOUT, HEADS).fingerprint
+    finally:
+        dying.close()
+        other.close()
+
+
+def test_share_dir_needs_the_process_mode():
+    with pytest.raises(ValueError, match="share_dir needs mode='process'"):
+        BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="thread", share_dir="/tmp/x")

@@ -297,16 +297,19 @@ PRECISION_SHAPES = {  # world size -> (P, CP, L): one long sample per sequence, 
 
 def make_precision_cases(world_size: int, seed: int) -> List[dict]:
     """bf16 and fp16 cases whose K/V rows receive many dK|dV fragments (several destinations x chunks that
-    share a kv head: hq=8, hkv=1, M=4 -> every chunk reads kv head 0)."""
+    share a kv head: hq=8, hkv=1, M=4 -> every chunk reads kv head 0; dK|dV summed over the chunks in fp32 and
+    returned after the last), and a bf16 case of the shipped head split (hq=8, hkv=4, H=2, M=2: every chunk owns
+    its kv head, so each chunk's dK|dV goes home in bf16 right after its compute and is summed at home in fp32)."""
     rng = np.random.default_rng(seed)
     cases = []
     for i, (P, cp, L) in enumerate(PRECISION_SHAPES[world_size]):
-        for dtype in ("bfloat16", "float16"):
+        for dtype, hkv, H, M in (("bfloat16", 1, 1, 4), ("float16", 1, 1, 4), ("bfloat16", 4, 2, 2)):
             segs = [[L]] + trace_segments(rng, P - 1, L)
-            cases.append(dict(P=P, cp=cp, L=L, segs=segs, hq=8, hkv=1, H=1, M=4, d=16, layout="zigzag", block=4,
+            cases.append(dict(P=P, cp=cp, L=L, segs=segs, hq=8, hkv=hkv, H=H, M=M, d=16, layout="zigzag", block=4,
                               assign="random", assign_seed=int(rng.integers(1 << 30)), dtype=dtype,
                               save_mode=["arranged", "refetch"][i % 2], fmt="thd", data_seed=int(rng.integers(1 << 30)),
-                              nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 else None))
+                              nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 else None,
+                              min_fragments=8 if hkv == 1 else 1))
     return cases
 
 

@@ -31,7 +31,7 @@ def _spec(argv):
 def test_the_shipped_yaml_becomes_the_defaults():
     spec = _spec(LAYOUT + ["--libra-config", str(REPO / "configs/libra/256k.yaml")])
     assert (spec.pool_sizes, spec.head_splits, spec.block_sizes, spec.chunk_counts, spec.taus) == \
-        ((8,), (4,), (2048,), (4,), (0.03,))
+        ((8,), (2,), (2048,), (2,), (0.01,))
     assert spec.tile_placement is TilePlacement.DENSE and spec.sequence_placement is SequencePlacement.SYNC
     assert spec.tilings == (TilingPolicy.ADAPTIVE,) and spec.kv_fetches == (KvFetch.PREFIX,)
     assert spec.cost.kv_relay is True  # kv_relay: auto
@@ -46,7 +46,7 @@ def test_flags_override_the_yaml_and_keys_it_leaves_out_take_libra_config_defaul
                            "--pool-size", "4", "8", "--tile-placement", "alg2", "--no-kv-relay", "--save-mode", "refetch"])
     assert spec.head_splits == (2,) and spec.pool_sizes == (4, 8) and spec.tile_placement is TilePlacement.ALG2
     assert spec.cost.kv_relay is False and spec.save_mode is SaveModeName.REFETCH
-    assert spec.block_sizes == (2048,) and spec.taus == (0.03,)  # the rest still from the file
+    assert spec.block_sizes == (2048,) and spec.taus == (0.01,)  # the rest still from the file
     partial = tmp_path / "partial.yaml"
     partial.write_text("libra:\n  pool_size: 4\n  save_mode: arranged\n")
     spec = _spec(LAYOUT + ["--libra-config", str(partial)])
