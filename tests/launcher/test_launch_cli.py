@@ -186,11 +186,11 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
                  context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
                  micro_batch_size=_flag(argv, "--micro-batch-size"),
                  global_batch_size=_flag(argv, "--global-batch-size"))
-    # the simulator's choices (docs/launcher.md "Knob choice", docs/exchange.md): P=8 and M=4 as in the paper,
-    # adaptive tiles, prefix KV fetch, dense placement, K/V relay; H=4, B=2048, tau=0.03 at 256K; H=2, B=4096,
-    # tau=0.01 at 1M
-    knobs = (4, 2048, 0.03) if config.stem.endswith("256k") else (2, 4096, 0.01)
-    assert (cfg.pool_size, cfg.num_chunks, cfg.head_split, cfg.block_size, cfg.tau) == (8, 4) + knobs
+    # the simulator's choices (docs/launcher.md "Knob choice", docs/exchange.md, docs/runtime.md): P=8 as in the
+    # paper, adaptive tiles, prefix KV fetch, dense placement, K/V relay; M=2, H=2, B=2048, tau=0.01 at 256K (every
+    # chunk owns its K/V head); M=4, H=2, B=4096, tau=0.01 at 1M
+    knobs = (2, 2, 2048, 0.01) if config.stem.endswith("256k") else (4, 2, 4096, 0.01)
+    assert (cfg.pool_size, cfg.num_chunks, cfg.head_split, cfg.block_size, cfg.tau) == (8,) + knobs
     assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
     assert cfg.kv_relay.value == "auto"
 

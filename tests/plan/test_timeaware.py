@@ -137,7 +137,7 @@ def test_config_time_placement_reaches_plan_pool_and_its_plan_validates():
 
 
 def _shipped_pools():
-    """Real-trace pools at the shipped 256K knobs (configs/libra/256k.yaml: B=2048, H=4, M=4), Qwen3-30B-A3B
+    """Real-trace pools at the shipped 256K knobs (configs/libra/256k.yaml: B=2048, H=2, M=2, tau=0.01), Qwen3-30B-A3B
     heads, 8 sequences of the linux and wikipedia traces packed as ``benchmarks/bench_planner.py`` packs them."""
     out = []
     for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
@@ -145,7 +145,7 @@ def _shipped_pools():
         seqs = pack_documents(docs, 256 * 1024, "megatron", 7)
         for k in range(2):
             out.append(build_tiles(seqs[8 * k:8 * k + 8], TokenLayout("zigzag", 256 * 1024, 8),
-                                   HeadLayout(32, 4, 128, 4, 4, elem_bytes=2), 2048, tiling="adaptive", tau=0.03,
+                                   HeadLayout(32, 4, 128, 2, 2, elem_bytes=2), 2048, tiling="adaptive", tau=0.01,
                                    kv_fetch="prefix"))
     return out
 
@@ -162,7 +162,7 @@ def test_vectorised_search_returns_the_per_move_searchs_assignment_on_real_pools
     moved = 0
     for tiles in _shipped_pools():
         model = StepTimeModel(128)
-        start = place_alg2(tiles, 0.03)[0]
+        start = place_alg2(tiles, 0.01)[0]
         exported = export_dense_first(tiles, start, tile_loads(tiles, None), model.nodes(tiles.num_workers))
         dense = (exported, timeaware.DENSE_TIME_ROUNDS, timeaware.DENSE_WIDTH)
         for begin, rounds, width in (dense, (start, 24, (10, 10))):
