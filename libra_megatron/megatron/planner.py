@@ -3,15 +3,16 @@
 Every rank asks for its plans from the same metadata (``libra_pool_segments``: the segment lengths of its pool's P
 sequences); ``plan_pool`` is a pure function of them, the config, the layouts and the pool's step-time model, so a
 plan is the same whoever makes it (``libra_attn_func`` checks fingerprints before its first collective). In a
-Megatron-LM run the planner processes share a per-run plan directory (``plan_store``; ``planner_setup.build_planner_from_args``):
-each pool is planned by the one process of the node that claims it and read by the node's other ranks, so a pool
-costs one planning call per node instead of P*CP (per job, with ``LIBRA_PLAN_SHARE_DIR`` on a filesystem every
-node mounts). ``LIBRA_PLANNER_LEDGER=<file>`` logs every planning call (``planner_process``).
+Megatron-LM run the planner processes share a per-run plan directory (``plan_store``;
+``planner_setup.build_planner_from_args``): each pool is planned by the one process of the node that claims it and
+read by the node's other ranks, so a pool costs one planning call per node instead of P*CP (per job, with
+``LIBRA_PLAN_SHARE_DIR`` on a filesystem every node mounts). ``LIBRA_PLANNER_LEDGER=<file>`` logs every planning
+call (``planner_process``).
 
-Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner_from_args`` starts for a Megatron-LM run) plans in
-a separate, spawned Python process per rank: the training interpreter only pickles the pool segments to it and
-unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per plan), so the placement's
-search never holds the training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in
+Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner_from_args`` starts for a
+Megatron-LM run) plans in a separate, spawned Python process per rank: the training interpreter only pickles the
+pool segments to it and unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per
+plan), so the placement's search never holds the training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in
 ``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
 back as that pool's ``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every
 pool still pending with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it

@@ -98,10 +98,11 @@ def planner_process(tasks, results, spec) -> None:
 
 
 def _serve(tasks, results, plan, finish, shared) -> None:
-    """The task loop: block on the pipe while nothing is pending, else poll the shared pools every 2 ms."""
+    """The task loop: block on the pipe while nothing is pending, else poll the shared pools every 10 ms (a peer
+    plans a pool in hundreds of ms; a poll is a few file lookups per pending pool)."""
     while True:
         try:
-            while shared is None or not shared.pending or tasks.poll(0.002):
+            while shared is None or not shared.pending or tasks.poll(0.01):
                 task = tasks.recv()
                 if task is None:
                     return
