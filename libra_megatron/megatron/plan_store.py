@@ -113,7 +113,7 @@ class PlanStore:
             except FileNotFoundError:
                 continue
         owner = self._claimant(digest)
-        if owner is _ABSENT:  # removed by its claimant after this process claimed nothing for a long time
+        if owner is _ABSENT:  # its claimant removed it (``keep`` newer plans published since): see ``claimed``
             return None
         if owner is not None and owner[0] == self._host and not _pid_alive(owner[1]):
             if os.path.exists(self._path(digest, "plan")) or os.path.exists(self._path(digest, "err")):
