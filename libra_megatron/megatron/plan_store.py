@@ -85,10 +85,7 @@ class PlanStore:
         self._write(digest, "plan", plan)
 
     def publish_error(self, digest: str, error: BaseException, text: str) -> None:
-        try:
-            pickle.dumps(error)
-        except Exception:  # noqa: BLE001 - an unpicklable exception travels as its text
-            error = RuntimeError(f"{type(error).__name__}: {error}")
+        """``error`` must pickle (``planner_process._error_payload`` makes it so)."""
         self._write(digest, "err", (error, text))
 
     def _write(self, digest: str, suffix: str, obj: Any) -> None:

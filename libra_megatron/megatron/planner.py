@@ -12,8 +12,8 @@ call (``planner_process``).
 Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner_from_args`` starts for a
 Megatron-LM run) plans in a separate, spawned Python process per rank: the training interpreter only pickles the
 pool segments to it and unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per
-plan), so the placement's search never holds the training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in
-``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
+plan), so the placement's search never holds the training thread's lock. ``mode="thread"`` (the default of the
+class, for tests and stand-in ``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
 back as that pool's ``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every
 pool still pending with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
 (join, then terminate, then kill). Nothing falls back silently: a failed pool raises on every ``get``.
@@ -80,7 +80,6 @@ class PlannedPool:
     saved_bytes: Dict[str, np.ndarray] = None
     save_mode: Optional[SaveModeName] = None
     rank_ready_s: Optional[float] = None  # submit -> this worker's RankPlan and tables built (worker set)
-    planned_here: bool = True  # False: read from the shared plan directory, planned by another process
 
 
 class _Slot:
@@ -437,7 +436,7 @@ class BackgroundPlanner:
                 self._finish(slot, None)
                 continue
             queued = max(0.0, time.perf_counter() - slot.submitted - latency)
-            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, queued, saved, mode, rank_ready, here),
+            self._finish(slot, PlannedPool(key, slot.segments, plan, latency, queued, saved, mode, rank_ready),
                          planned_here=here)
         if self._process is not None:
             self._process.join(timeout=5)

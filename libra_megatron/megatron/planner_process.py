@@ -108,10 +108,7 @@ def _serve(tasks, results, plan, finish, shared) -> None:
                     return
                 key, segments = task
                 if shared is None:
-                    start = time.perf_counter()
-                    ok, payload = _plan_or_error(plan, segments)
-                    _ledger(key, time.perf_counter() - start)
-                    results.send(finish(key, ok, payload, time.perf_counter() - start, True))
+                    results.send(finish(key, *_plan_or_error(plan, key, segments), True))
                 else:
                     shared.add(key, segments)
                     break
@@ -131,15 +128,21 @@ def _ledger(key: str, seconds: float) -> None:
             f.write(f"{key} {socket.gethostname()} {os.getpid()} {seconds:.6f}\n")
 
 
-def _plan_or_error(plan, segments) -> tuple:
-    """(True, plan) or (False, (exception, traceback text))."""
+def _plan_or_error(plan, key: str, segments) -> tuple:
+    """One planning call, logged in the ledger: (True, plan, seconds) or (False, (exception, traceback text),
+    seconds)."""
+    start = time.perf_counter()
     try:
-        return True, plan(segments)
+        ok, payload = True, plan(segments)
     except BaseException as exc:  # noqa: BLE001 - sent to the trainer, raised by its get()
-        return False, _error_payload(exc)
+        ok, payload = False, _error_payload(exc)
+    seconds = time.perf_counter() - start
+    _ledger(key, seconds)
+    return ok, payload, seconds
 
 
 def _error_payload(exc: BaseException) -> tuple:
+    """(exception, traceback text) of the exception being handled; the exception as its text if it does not pickle."""
     text = traceback.format_exc()
     try:
         pickle.dumps(exc)
@@ -165,10 +168,7 @@ class _SharedPools:
     def _plan_if_claimed(self, key: str, digest: str, segments) -> bool:
         if not self.store.claim(digest):
             return False
-        start = time.perf_counter()
-        ok, payload = _plan_or_error(self._plan, segments)
-        seconds = time.perf_counter() - start
-        _ledger(key, seconds)
+        ok, payload, seconds = _plan_or_error(self._plan, key, segments)
         try:
             if ok:
                 self.store.publish(digest, payload)

@@ -58,10 +58,17 @@ def _share_dir() -> Optional[str]:
 
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(token, src=0)
+    given = base
     if not base:
         shm = "/dev/shm"
         base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"libra-plans-{token[0]}")
+    path = os.path.join(base, f"libra-plans-{token[0]}")
+    try:  # here, at start-up, not in the planner process, whose death would only surface at the first get
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"LIBRA_PLAN_SHARE_DIR={given!r}: cannot create the run's plan directory {path} "
+                         f"({exc.strerror}); set it to a writable directory, or to 'off'") from exc
+    return path
 
 
 def _pool_timing(head_dim: int):

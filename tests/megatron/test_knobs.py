@@ -3,6 +3,7 @@ LibraCoreAttention call; --libra-packing refused in Megatron runs; the planner m
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import pytest
@@ -203,6 +204,7 @@ def test_planner_budgets_the_layers_whose_tensors_are_alive_at_once(monkeypatch,
 
     seen = {}
     monkeypatch.setattr(planner_module, "BackgroundPlanner", lambda *a, **kw: seen.update(kw) or kw)
+    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", "off")  # no planner process starts to remove a plan directory
     granularity, method, n = recompute
     args = argparse.Namespace(context_parallel_size=1, tensor_model_parallel_size=1, num_attention_heads=HQ,
                               num_query_groups=HKV, group_query_attention=True, kv_channels=D, hidden_size=HQ * D,
@@ -211,3 +213,21 @@ def test_planner_budgets_the_layers_whose_tensors_are_alive_at_once(monkeypatch,
                               recompute_method=method, recompute_num_layers=n)
     planner_module.build_planner_from_args(LibraConfig(**dict(BASE, token_layout="zigzag")), args)
     assert seen["num_layers"] == want
+
+
+def test_an_unusable_plan_share_dir_is_refused_at_start_up(monkeypatch, tmp_path):
+    """Issue 25: LIBRA_PLAN_SHARE_DIR names a plain file: one ValueError naming the variable, before any planner
+    process starts (which would otherwise die and fail only the first get)."""
+    from libra_megatron.megatron import planner_setup
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", str(blocker))
+    with pytest.raises(ValueError, match=r"^LIBRA_PLAN_SHARE_DIR='.*not-a-dir': cannot create the run's plan "
+                                         r"directory .*not-a-dir/libra-plans-\w+ \(Not a directory\)"):
+        planner_setup._share_dir()
+    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", "off")
+    assert planner_setup._share_dir() is None
+    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", str(tmp_path / "shared"))
+    made = planner_setup._share_dir()
+    assert os.path.isdir(made) and os.path.dirname(made) == str(tmp_path / "shared")
