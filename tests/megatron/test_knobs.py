@@ -228,6 +228,6 @@ def test_an_unusable_plan_share_dir_is_refused_at_start_up(monkeypatch, tmp_path
         planner_setup._share_dir()
     monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", "off")
     assert planner_setup._share_dir() is None
-    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", str(tmp_path / "shared"))
+    monkeypatch.setenv("LIBRA_PLAN_SHARE_DIR", str(tmp_path / "plan-share"))
     made = planner_setup._share_dir()
-    assert os.path.isdir(made) and os.path.dirname(made) == str(tmp_path / "shared")
+    assert os.path.isdir(made) and os.path.dirname(made) == str(tmp_path / "plan-share")
