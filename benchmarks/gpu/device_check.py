@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): nine independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): ten independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -24,6 +24,8 @@ section runs. Sections:
                the wall time of the pipelined call next to its hosted kernels alone (overlap)
   step_model   the whole-layer time model on one GPU (issue 23, ``step_model_gpu.py``): kernel and copy rates
                fitted with CUDA events, a world-1 real-trace pool's predicted forward / backward vs measured
+  call_shapes  kernel calls shaped like Libra's (q blocks over long causal prefixes, ``call_shapes_gpu.py``) timed
+               and priced as the model prices them, default rates and the calibration table: predicted / measured
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -56,6 +58,7 @@ from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_flash, varlen_attn_func  # noqa: E402
 from step_model_gpu import section_step_model  # noqa: E402  (benchmarks/gpu/, this file's folder)
+from call_shapes_gpu import section_call_shapes  # noqa: E402
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
@@ -460,6 +463,20 @@ def _live_receive_buffers(stats):
     return at_kernel, restore
 
 
+def _reference_in_turn(rank, world_size, ctx, batch, q64, k64, v64, do64):
+    """The fp64 exact reference, one worker at a time (the workers may share one GPU, and a 65K-token fp64
+    document's row tiles need tens of GiB), kept on the host; each worker empties its cache after its turn."""
+    ref = None
+    for turn in range(world_size):
+        if turn == rank:
+            run = lambda q, k, v: varlen_attn_func(q, k, v, batch, backend="torch")  # noqa: E731
+            ref = [x.cpu() for x in _fwd_bwd(run, q64, k64, v64, do64)]
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+        dist.barrier()
+    return ref
+
+
 def _exchange_worker(rank, world_size, dry, reps):
     from libra_megatron.runtime import ExchangeStats
 
@@ -474,7 +491,7 @@ def _exchange_worker(rank, world_size, dry, reps):
                      for h in (heads.num_q_heads, heads.num_kv_heads, heads.num_kv_heads))
     do64 = torch.randn(L, heads.num_q_heads, heads.head_dim, generator=g, dtype=torch.float64).to(ctx.device)
     batch = VarlenBatch.from_lengths(segs[rank], segs[rank], ctx.device)
-    ref = _fwd_bwd(lambda q, k, v: varlen_attn_func(q, k, v, batch, backend="torch"), q64, k64, v64, do64)
+    ref = _reference_in_turn(rank, world_size, ctx, batch, q64, k64, v64, do64)
     q, k, v, do = (x.to(ctx.dtype) for x in (q64, k64, v64, do64))
     stats = ExchangeStats()
     at_kernel, restore = _live_receive_buffers(stats)
@@ -487,6 +504,7 @@ def _exchange_worker(rank, world_size, dry, reps):
     fwd_calls = M * (2 if tables.local is not None and tables.remote.num_entries else 1)
     libra_s = ctx.seconds(lambda: _fwd_bwd(lambda *a: libra_attn_func(*a, rp, dist.group.WORLD), q, k, v, do), reps)
     kernels_s = _replay_worker(ctx, rp, heads, reps)[1]
+    got = [x.cpu() for x in got]
     return {"rel_err_out_dq_dk_dv": [_max_err(a, b) / max(float(b.abs().max()), 1e-30) for a, b in zip(got, ref)],
             "exchanges_in_flight_at_kernel": [n for n, _ in at_kernel],
             "placed_but_alive_at_kernel": [n for _, n in at_kernel], "kernel_calls": len(at_kernel) == fwd_calls + M,
@@ -501,6 +519,9 @@ def section_exchange(ctx: Ctx) -> dict:
     gpus = torch.cuda.device_count() if ctx.cuda else 0
     mode = "one GPU per worker, gloo" if gpus >= num_workers else (
         f"{num_workers} workers share {max(gpus, 1)} {'GPU' if ctx.cuda else 'CPU'}, gloo")
+    if ctx.cuda:  # the workers are new processes: free this one's cached blocks, and let theirs grow in place
+        torch.cuda.empty_cache()
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     workers = run_distributed(_exchange_worker, num_workers, ctx.dry, ctx.shape["reps"], timeout=400)
     released = all(w["kernel_calls"] and max(w["placed_but_alive_at_kernel"]) == 0 for w in workers)
     errors_ok = all(max(w["rel_err_out_dq_dk_dv"]) <= 2e-2 for w in workers)
@@ -512,7 +533,8 @@ def section_exchange(ctx: Ctx) -> dict:
 
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
             "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
-            "tables": section_tables, "exchange": section_exchange, "step_model": section_step_model}
+            "tables": section_tables, "exchange": section_exchange, "step_model": section_step_model,
+            "call_shapes": section_call_shapes}
 
 
 def _summary(results: dict) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check of issue 8 (one H200: <= 8 minutes). Needs python3 with torch + numpy only.
+# The prepared device check of issue 8 (one H200: <= 8 minutes; ten sections). Needs python3 with torch + numpy only.
 # Usage: bash benchmarks/gpu/run_all.sh [--dry-run] [OUT_DIR]     (OUT_DIR defaults to $OUT, else ./gpu_out)
 # Writes OUT_DIR/results.json, OUT_DIR/summary.txt, OUT_DIR/calibration.json, OUT_DIR/device.txt, OUT_DIR/log.txt.
 # --dry-run: the same code on CPU at tiny shapes (CI runs it). Exit status 1 if any section failed.

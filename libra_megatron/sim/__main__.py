@@ -39,7 +39,7 @@ from ..plan.traces import load_traces
 from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_COPY_LAUNCH_US,
                           DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                           DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_LAUNCH_US,
-                          CalibrationTable, StepTimeModel)
+                          CalibrationTable, StepTimeModel, resolve_calibration)
 from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
 from .libra_yaml import LIBRA_CONFIG_FLAG, check_yaml_knobs, parse_with_libra_config, relay_on
 from .report import ProgressBar, format_table
@@ -178,7 +178,10 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
                    "--activation-budget-gb, plan.model.memory.choose_save_mode)")
     g.add_argument("--activation-budget-gb", type=float, default=LibraConfig.activation_budget_gb, metavar="GIB",
                    help="save_mode auto's budget per GPU and microbatch over the layers alive at once")
-    g.add_argument("--calibration", default=None, metavar="PATH", help="measured per-shape kernel table (JSON)")
+    g.add_argument("--calibration", default=None, metavar="PATH|NAME",
+                   help="measured per-shape kernel table: a JSON file (benchmarks/gpu/device_check.py writes one) or a "
+                        "table shipped in data/calibration (h200-torch-fa2: one H200, torch's FlashAttention-2 "
+                        "kernel; docs/gpu.md); default: the constant --attn-tflops rate")
 
 
 def _add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -226,8 +229,8 @@ def _model_dims(args: argparse.Namespace) -> ModelDims:
     return ModelDims(hq, hkv, d, DTYPE_BYTES[args.dtype])
 
 
-def _calibration(path: Optional[str]) -> Optional[CalibrationTable]:
-    return CalibrationTable.from_json(path) if path is not None else None
+def _calibration(value: Optional[str]) -> Optional[CalibrationTable]:
+    return resolve_calibration(value) if value is not None else None
 
 
 def _num_layers(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange",
-            "step_model"}
+            "step_model", "call_shapes"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -30,6 +30,12 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     assert exchange["receive_buffers_released"]  # no placed exchange holds its receive buffer at a kernel call
     step = sections["step_model"]  # the whole-layer model's compute part: fitted rates, world-1 pool priced
     assert step["arranged"]["predicted_fwd_s"] > 0 and step["measured_fwd_s"] > 0
+    shapes = sections["call_shapes"]  # Libra-shaped kernel calls timed and priced by both model variants
+    rows = json.loads((out / "call_shapes.json").read_text())["rows"]
+    assert shapes["shapes"] == len(rows) > 0 and any(r["k_len"] > r["q_block"] for r in rows)
+    for name in ("default", "calibrated"):
+        assert shapes[f"{name}_fwd_predicted_over_measured"]["median"] > 0
+        assert all(r[f"{name}_fwd_over_measured"] > 0 and r["fwd_s"] > 0 for r in rows)
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):

@@ -8,7 +8,7 @@ import pytest
 
 from libra_megatron.plan.traces import find_trace, load_trace, load_traces
 from libra_megatron.sim.baselines import sequence_pair_heads, ulysses_comm_bytes, wlb_repack
-from libra_megatron.plan.model import CalibrationTable, StepTimeModel
+from libra_megatron.plan.model import CalibrationTable, StepTimeModel, resolve_calibration, shipped_calibrations
 
 
 LINUX = find_trace("linux-6.12-files.qwen.txt")
@@ -69,6 +69,42 @@ def test_calibration_errors_name_the_flag(tmp_path):
     good.write_text(json.dumps(_table()))
     with pytest.raises(ValueError, match="--head-dim"):
         StepTimeModel(head_dim=128, calibration=CalibrationTable.from_json(str(good)))
+
+
+def test_the_shipped_h200_table_is_named_and_priced_as_its_raw_entries_say():
+    assert "h200-torch-fa2" in shipped_calibrations()
+    table = resolve_calibration("h200-torch-fa2")
+    import libra_megatron.plan.model.calibration as C
+    with open(f"{C.SHIPPED_CALIBRATION_DIR}/h200-torch-fa2.json") as handle:
+        raw = json.load(handle)
+    assert table.head_dim == raw["head_dim"] == 128 and "H200" in table.device
+    by_shape = {(e["block_tokens"], e["heads"]): 4 * 128 * e["pairs"] * e["heads"] / e["seconds"] for e in raw["entries"]}
+    for (tokens, heads), rate in by_shape.items():  # at a measured shape, the measured rate
+        assert math.isclose(float(table.flops_per_second(np.array([tokens]), heads)[0]), rate, rel_tol=1e-9)
+    assert math.isclose(table.peak_flops_per_second(), max(by_shape.values()))
+    # the call shape matters: 8 heads x 2048 tokens runs well below 32 heads x 16384 tokens on this device
+    assert by_shape[(2048, 8)] < 0.8 * by_shape[(16384, 32)]
+    cost = StepTimeModel(head_dim=128, calibration=table)
+    small, big = cost.call_seconds([1e6], [2048], 8), cost.call_seconds([1e6], [16384], 32)
+    assert float(small[0] / big[0]) > 1.25  # the same work costs more seconds in the small call
+    assert math.isclose(float(small[0]), 4 * 128 * 1e6 / by_shape[(2048, 8)], rel_tol=1e-9)
+
+
+def test_an_unknown_calibration_name_lists_the_shipped_tables(tmp_path):
+    with pytest.raises(ValueError, match=r"--calibration nope: neither a file nor a shipped table .*h200-torch-fa2"):
+        resolve_calibration("nope")
+    with pytest.raises(ValueError, match=r"--calibration .*missing.json: no such file"):
+        resolve_calibration(str(tmp_path / "missing.json"))
+
+
+def test_the_simulator_takes_a_shipped_table_by_name():
+    from libra_megatron.sim.__main__ import parse_args, spec_from_args
+
+    argv = ["--trace", LINUX, "--seq-len", "8192", "--gbs", "8", "--dp", "4", "--cp", "2", "--pool-size", "2",
+            "--model", "qwen3-8b"]
+    spec = spec_from_args(parse_args(argv + ["--calibration", "h200-torch-fa2"]))
+    assert spec.cost.calibration is not None and spec.cost.calibration.device == "NVIDIA H200"
+    assert spec_from_args(parse_args(argv)).cost.calibration is None
 
 
 def test_cost_model_prices_a_worker_by_the_pipeliner_timeline_and_the_default_rates():

@@ -11,7 +11,7 @@
 
 Pure numpy; imports nothing else of ``plan`` (every other room may import this one).
 """
-from .calibration import CalibrationTable
+from .calibration import CalibrationTable, resolve_calibration, shipped_calibrations
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from .memory import choose_save_mode, hosted_units, predicted_saved_bytes, saved_bytes_per_rank, saved_layers
 from .events import OpCosts, PhaseTiming, price_ops
@@ -26,7 +26,7 @@ from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expe
                        worker_lower_bound)
 
 __all__ = [
-    "CalibrationTable", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
+    "CalibrationTable", "resolve_calibration", "shipped_calibrations", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
     "choose_save_mode", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank", "saved_layers",
     "OpCosts", "PhaseTiming", "price_ops", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_COLLECTIVE_US", "DEFAULT_COPY_GBPS", "DEFAULT_COPY_LAUNCH_US", "DEFAULT_INTER_MESSAGE_US",

@@ -1,11 +1,14 @@
 """Measured attention throughput per kernel-call shape (``--calibration``): the table ``StepTimeModel`` reads.
 
-Pure numpy. Written by the ``calibration`` section of ``benchmarks/gpu/device_check.py``.
+Pure numpy. Written by the ``calibration`` section of ``benchmarks/gpu/device_check.py``. Tables measured on
+real devices ship in the repository's ``data/calibration/`` and are named by their file stem
+(``--calibration h200-torch-fa2``; ``resolve_calibration``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -13,7 +16,10 @@ import numpy as np
 
 from ...paths import read_json
 
-__all__ = ["CalibrationTable"]
+__all__ = ["CalibrationTable", "SHIPPED_CALIBRATION_DIR", "shipped_calibrations", "resolve_calibration"]
+
+SHIPPED_CALIBRATION_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))), "data", "calibration")
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,12 @@ class CalibrationTable:
 
     @classmethod
     def from_json(cls, path: str) -> "CalibrationTable":
-        data = read_json(path, f"--calibration {path}")
-        return cls.from_mapping(data, source=f"--calibration {path}")
+        return cls.from_json_flag(path, "--calibration")
+
+    @classmethod
+    def from_json_flag(cls, path: str, flag: str) -> "CalibrationTable":
+        data = read_json(path, f"{flag} {path}")
+        return cls.from_mapping(data, source=f"{flag} {path}")
 
     @classmethod
     def from_mapping(cls, data, source: str = "--calibration") -> "CalibrationTable":
@@ -74,3 +84,20 @@ class CalibrationTable:
     def peak_flops_per_second(self) -> float:
         """The best throughput any measured shape reaches."""
         return max(max(rates) for rates in self.flops_per_s)
+
+
+def shipped_calibrations() -> Tuple[str, ...]:
+    """Names of the tables in ``data/calibration/`` (file stems), sorted."""
+    if not os.path.isdir(SHIPPED_CALIBRATION_DIR):
+        return ()
+    return tuple(sorted(f[:-5] for f in os.listdir(SHIPPED_CALIBRATION_DIR) if f.endswith(".json")))
+
+
+def resolve_calibration(value: str, flag: str = "--calibration") -> CalibrationTable:
+    """``value`` a table file, else the name of a shipped table; ValueError naming ``flag`` and the shipped names."""
+    if os.path.exists(value) or os.sep in value or value.endswith(".json"):
+        return CalibrationTable.from_json_flag(value, flag)
+    if value in shipped_calibrations():
+        return CalibrationTable.from_json_flag(os.path.join(SHIPPED_CALIBRATION_DIR, value + ".json"), flag)
+    raise ValueError(f"{flag} {value}: neither a file nor a shipped table (shipped in data/calibration: "
+                     f"{', '.join(shipped_calibrations()) or 'none'})")

@@ -1,0 +1,93 @@
+"""Device-check section ``call_shapes``: the time model's kernel price against kernel calls shaped like Libra's.
+
+The ``calibration`` section times square causal blocks (n entries of B x B); the model then prices a chunk call
+by its total query rows and heads (``plan.model.events.OpCosts.kernel`` -> ``StepTimeModel.call_seconds``). Libra's
+calls are not square: an entry is a query block of <= B rows over its document's whole causal prefix (k_len >
+q_len, bottom-right). This section times such calls -- entries of B query rows over prefixes of 1x, 4x and 16x B
+keys, 1 or 8 entries per call, 4-32 query heads (GQA group 8, as Qwen3-30B-A3B), forward and forward+backward --
+and prices each one as the model does, under the constant default rates and under the table measured by the
+``calibration`` section of the same run. Reports predicted / measured per shape, their median and spread, and
+writes every row to ``call_shapes.json``. Nothing here changes the model; it says how far to trust it.
+
+    python benchmarks/gpu/device_check.py --out OUT --only calibration call_shapes [--dry-run]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import torch
+
+GPU = dict(d=128, heads=(4, 8, 16, 32), blocks=(1024, 2048, 4096, 8192), k_mults=(1, 4, 16), entries=(1, 8),
+           reps=3, max_pairs=6e9)
+DRY = dict(d=8, heads=(2, 4), blocks=(8, 16), k_mults=(1, 4), entries=(1, 2), reps=1, max_pairs=1e9)
+
+
+def _pairs(q_len: int, k_len: int) -> int:
+    """Causal query-key pairs of one bottom-right entry: row i sees k_len - q_len + i + 1 keys."""
+    return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+
+
+def _time(ctx, fn, reps: int) -> float:
+    fn()
+    ctx.sync()
+    return statistics.median(ctx.seconds(fn, 1) for _ in range(reps))
+
+
+def _measure(ctx, sh, heads: int, block: int, k_len: int, n: int):
+    from libra_megatron.runtime.kernels import VarlenBatch, varlen_attn_func
+
+    hkv = max(1, heads // 8)
+    batch = VarlenBatch.from_lengths([block] * n, [k_len] * n, ctx.device)
+    q = torch.randn(n * block, heads, sh["d"], device=ctx.device, dtype=ctx.dtype, requires_grad=True)
+    k, v = (torch.randn(n * k_len, hkv, sh["d"], device=ctx.device, dtype=ctx.dtype, requires_grad=True)
+            for _ in range(2))
+    do = torch.randn_like(q)
+    with torch.no_grad():
+        fwd = _time(ctx, lambda: varlen_attn_func(q, k, v, batch), sh["reps"])
+    out = varlen_attn_func(q, k, v, batch)  # the backward alone, on one kept graph
+    bwd = _time(ctx, lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), sh["reps"])
+    return fwd, bwd
+
+
+def _priced(costs, heads: int, block: int, k_len: int, n: int):
+    from libra_megatron.plan.model import Kernel
+
+    pairs = n * _pairs(block, k_len) * heads
+    return tuple(costs.kernel(Kernel(direction, n, n * block, n * k_len, pairs, heads)) for direction in ("fwd", "bwd"))
+
+
+def section_call_shapes(ctx) -> dict:
+    from libra_megatron.plan.model import StepTimeModel
+    from libra_megatron.plan.model.events import OpCosts
+
+    sh = DRY if ctx.dry else GPU
+    models = {"default": OpCosts(StepTimeModel(sh["d"]))}
+    if ctx.calibration is not None and ctx.calibration.head_dim == sh["d"]:
+        models["calibrated"] = OpCosts(StepTimeModel(sh["d"], calibration=ctx.calibration))
+    rows = []
+    for heads in sh["heads"]:
+        for block in sh["blocks"]:
+            for mult in sh["k_mults"]:
+                for n in sh["entries"]:
+                    k_len = block * mult
+                    if n * _pairs(block, k_len) * heads > sh["max_pairs"]:
+                        continue
+                    fwd, bwd = _measure(ctx, sh, heads, block, k_len, n)
+                    row = {"heads": heads, "q_block": block, "k_len": k_len, "entries": n, "fwd_s": fwd, "bwd_s": bwd,
+                           "fwd_tflops": 4 * sh["d"] * n * _pairs(block, k_len) * heads / fwd / 1e12}
+                    for name, costs in models.items():
+                        pf, pb = _priced(costs, heads, block, k_len, n)
+                        row[f"{name}_fwd_over_measured"], row[f"{name}_bwd_over_measured"] = pf / fwd, pb / bwd
+                    rows.append(row)
+    with open(os.path.join(ctx.out_dir, "call_shapes.json"), "w") as fh:
+        json.dump({"device": str(ctx.device), "rows": rows}, fh, indent=1)
+    summary = {"shapes": len(rows), "file": "call_shapes.json"}
+    for name in models:
+        for phase in ("fwd", "bwd"):
+            ratios = sorted(r[f"{name}_{phase}_over_measured"] for r in rows)
+            summary[f"{name}_{phase}_predicted_over_measured"] = {
+                "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+                "p10": ratios[len(ratios) // 10], "p90": ratios[(9 * len(ratios)) // 10]}
+    return summary
