@@ -10,14 +10,21 @@ and prices each one as the model does, under the constant default rates and unde
 writes every row to ``call_shapes.json``. Nothing here changes the model; it says how far to trust it.
 
     python benchmarks/gpu/device_check.py --out OUT --only calibration call_shapes [--dry-run]
+    python benchmarks/gpu/call_shapes_gpu.py [--dry-run] [--out DIR]   (calibration, then this section; JSON to stdout)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
 
 GPU = dict(d=128, heads=(4, 8, 16, 32), blocks=(1024, 2048, 4096, 8192), k_mults=(1, 4, 16), entries=(1, 8),
            reps=3, max_pairs=6e9)
@@ -91,3 +98,21 @@ def section_call_shapes(ctx) -> dict:
                 "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
                 "p10": ratios[len(ratios) // 10], "p90": ratios[(9 * len(ratios)) // 10]}
     return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (what CI runs)")
+    ap.add_argument("--out", default=".", help="folder for calibration.json and call_shapes.json")
+    args = ap.parse_args(argv)
+    import device_check
+
+    os.makedirs(args.out, exist_ok=True)
+    ctx = device_check.Ctx(args.dry_run, args.out)
+    device_check.section_calibration(ctx)
+    print(json.dumps(section_call_shapes(ctx), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
