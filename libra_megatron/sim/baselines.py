@@ -12,8 +12,8 @@ in the same way as Q (hq heads), the kernel's dQ, dK, dV go out as Q, K, V came 
 activation dtype e): the same bytes as the forward, (CP-1)/CP x t x (2 hq + 2 hkv) x d x e per rank and phase.
 Q, K, V, O in the head layout are kept from the forward (FlashAttention saves them), so nothing else travels.
 Nothing overlaps the all-to-alls. ``ulysses_layer_seconds`` prices both phases under the whole-layer model:
-compute = one kernel call of pair-heads / CP (the backward at ``BACKWARD_FLOPS_FACTOR`` = 2.5 x the forward
-FLOPs: FlashAttention's 5 matmuls with the recomputed QK^T, vs 2) plus its launch; four all-to-all calls per
+compute = one kernel call of pair-heads / CP (the backward by ``StepTimeModel.bwd_call_seconds``: 2.5 x the forward
+FLOPs, FlashAttention's 5 matmuls with the recomputed QK^T vs 2, or a kernel fit's own) plus its launch; four all-to-all calls per
 phase (Q, K, V / O forward; dO / dQ, dK, dV backward, one tensor each), each paying ``collective_us`` plus, per
 link class, bytes / bandwidth + peers x the message latency. ``ulysses_worker_seconds`` is the earlier
 forward-only figure (no latencies), kept for the ``forward_*`` keys.
@@ -30,7 +30,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import BACKWARD_FLOPS_FACTOR, GB, US, StepTimeModel
+from ..plan.model import GB, US, StepTimeModel
 
 __all__ = ["sequence_pair_heads", "ulysses_worker_seconds", "ulysses_layer_seconds", "ulysses_comm_bytes",
            "ulysses_call_seconds", "wlb_repack"]
@@ -99,7 +99,8 @@ def ulysses_layer_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, in
     launch = np.where(np.asarray(pair_heads) > 0, cost.kernel_launch_us * US, 0.0)
     calls = [ulysses_call_seconds(tokens, cp, h, elem_bytes, cost) for h in (hq, hkv, hkv, hq)]  # Q K V | O
     comm = np.sum(calls, axis=0)  # backward: dO | dQ dK dV, the same four sizes
-    return compute + launch + comm, compute * BACKWARD_FLOPS_FACTOR + launch + comm
+    backward = cost.bwd_call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
+    return compute + launch + comm, backward + launch + comm
 
 
 def wlb_repack(segments: Sequence[np.ndarray], num_sequences: int, cap_tokens: float) -> List[np.ndarray]:

@@ -45,7 +45,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..plan.model import BACKWARD_FLOPS_FACTOR, US, StepTimeModel
+from ..plan.model import US, StepTimeModel
 
 __all__ = ["HybridCpBaseline", "HybridCpDims", "price_schedule", "subprocess_scheduler", "ring_document_seconds",
            "ring_layer_seconds", "BASELINE_MODULE"]
@@ -87,7 +87,8 @@ def ring_layer_seconds(length: int, members: Sequence[int], dims: HybridCpDims,
     pair_heads = dims.num_q_heads * length * (length + 1) / 2.0
     work = float(cost.call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))  # all cp steps' FLOPs
     launch = cost.kernel_launch_us * US if length > 0 else 0.0
-    step_f, step_b = work / cp + launch, work * BACKWARD_FLOPS_FACTOR / cp + launch
+    work_b = float(cost.bwd_call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))
+    step_f, step_b = work / cp + launch, work_b / cp + launch
     if cp == 1:
         return step_f, step_f, step_b, step_b
     inter = len({g // cost.gpus_per_node for g in members}) > 1

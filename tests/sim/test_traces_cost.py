@@ -105,6 +105,8 @@ def test_the_simulator_takes_a_shipped_table_by_name():
     spec = spec_from_args(parse_args(argv + ["--calibration", "h200-torch-fa2"]))
     assert spec.cost.calibration is not None and spec.cost.calibration.device == "NVIDIA H200"
     assert spec_from_args(parse_args(argv)).cost.calibration is None
+    fit = spec_from_args(parse_args(argv + ["--calibration", "h200-torch-fa2-calls"])).cost.calibration
+    assert fit.kind == "kernel_fit" and fit.head_dim == 128  # the fit on Libra-shaped calls, by name too
 
 
 def test_cost_model_prices_a_worker_by_the_pipeliner_timeline_and_the_default_rates():

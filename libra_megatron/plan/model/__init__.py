@@ -6,12 +6,14 @@
     ops           the op records one rank issues for a layer (exchanges, waits, kernels, copies)
     events        the whole-layer event model: every rank's op list priced with the peers coupled
     calibration   a measured per-shape kernel table the model can read
+    kernel_fit    a kernel price fitted on measured Libra-shaped calls (forward and backward)
     kernel_cost   a calibrated per-tile kernel cost (review objection 2)
     memory        the operator's saved activation bytes and the save-mode rule
 
 Pure numpy; imports nothing else of ``plan`` (every other room may import this one).
 """
 from .calibration import CalibrationTable, resolve_calibration, shipped_calibrations
+from .kernel_fit import KernelFit, PhaseFit, fit_kernel_calls, fit_quality
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from .memory import choose_save_mode, hosted_units, predicted_saved_bytes, saved_bytes_per_rank, saved_layers
 from .events import OpCosts, PhaseTiming, price_ops
@@ -26,7 +28,8 @@ from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expe
                        worker_lower_bound)
 
 __all__ = [
-    "CalibrationTable", "resolve_calibration", "shipped_calibrations", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
+    "CalibrationTable", "resolve_calibration", "shipped_calibrations", "KernelFit", "PhaseFit", "fit_kernel_calls",
+    "fit_quality", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
     "choose_save_mode", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank", "saved_layers",
     "OpCosts", "PhaseTiming", "price_ops", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_COLLECTIVE_US", "DEFAULT_COPY_GBPS", "DEFAULT_COPY_LAUNCH_US", "DEFAULT_INTER_MESSAGE_US",

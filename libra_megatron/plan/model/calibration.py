@@ -15,6 +15,7 @@ from typing import Dict, Tuple
 import numpy as np
 
 from ...paths import read_json
+from .kernel_fit import KernelFit
 
 __all__ = ["CalibrationTable", "SHIPPED_CALIBRATION_DIR", "shipped_calibrations", "resolve_calibration"]
 
@@ -93,11 +94,15 @@ def shipped_calibrations() -> Tuple[str, ...]:
     return tuple(sorted(f[:-5] for f in os.listdir(SHIPPED_CALIBRATION_DIR) if f.endswith(".json")))
 
 
-def resolve_calibration(value: str, flag: str = "--calibration") -> CalibrationTable:
-    """``value`` a table file, else the name of a shipped table; ValueError naming ``flag`` and the shipped names."""
-    if os.path.exists(value) or os.sep in value or value.endswith(".json"):
-        return CalibrationTable.from_json_flag(value, flag)
-    if value in shipped_calibrations():
-        return CalibrationTable.from_json_flag(os.path.join(SHIPPED_CALIBRATION_DIR, value + ".json"), flag)
-    raise ValueError(f"{flag} {value}: neither a file nor a shipped table (shipped in data/calibration: "
-                     f"{', '.join(shipped_calibrations()) or 'none'})")
+def resolve_calibration(value: str, flag: str = "--calibration"):
+    """``value`` a file, else the name of a shipped one: a ``CalibrationTable``, or a ``kernel_fit.KernelFit`` when
+    the JSON says ``"kind": "kernel_fit"``; ValueError naming ``flag`` and the shipped names."""
+    if value in shipped_calibrations() and not os.path.exists(value):
+        value = os.path.join(SHIPPED_CALIBRATION_DIR, value + ".json")
+    elif not (os.path.exists(value) or os.sep in value or value.endswith(".json")):
+        raise ValueError(f"{flag} {value}: neither a file nor a shipped table (shipped in data/calibration: "
+                         f"{', '.join(shipped_calibrations()) or 'none'})")
+    data = read_json(value, f"{flag} {value}")
+    if isinstance(data, dict) and data.get("kind") == "kernel_fit":
+        return KernelFit.from_mapping(data, source=f"{flag} {value}")
+    return CalibrationTable.from_mapping(data, source=f"{flag} {value}")

@@ -38,6 +38,7 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
+from .kernel_fit import KernelFit
 from .ops import Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
@@ -68,6 +69,7 @@ class OpCosts:
     def __init__(self, model):
         self.model = model
         self.per_pair = None if model.calibration is not None else float(model.compute_seconds(1.0))
+        self.fit = model.calibration if isinstance(model.calibration, KernelFit) else None
         self.bwd_scale = BACKWARD_FLOPS_FACTOR * (1.0 if model.attn_bwd_tflops is None
                                                   else model.attn_tflops / model.attn_bwd_tflops)
         self.launch, self.entry = model.kernel_launch_us * US, model.kernel_entry_us * US
@@ -78,6 +80,8 @@ class OpCosts:
     def kernel(self, op: Kernel) -> float:
         if op.entries == 0 or op.pairs == 0:
             return 0.0
+        if self.fit is not None:  # a fit on measured calls: the whole call, launch and backward its own
+            return float(self.fit.call_seconds(op.pairs, op.q_rows, op.heads, op.direction))
         if self.per_pair is not None:
             seconds = op.pairs * self.per_pair
         else:

@@ -37,11 +37,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from .calibration import CalibrationTable
+from .kernel_fit import KernelFit
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
                     DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                     DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US, GB,
@@ -155,8 +156,10 @@ class StepTimeModel:
     after its chunk's dispatch, for comparison).
     kv_relay: exchange plans relay K/V through one destination per node (``plan.exchange``, "Relay"): a
     home run fetched by several workers of another node crosses nodes once.
-    calibration: a measured per-shape kernel table; only ``call_seconds`` and ``peak_compute_seconds`` read it
-    (the simulator's pricing of kernel calls); None = the constant ``attn_tflops``.
+    calibration: a measured per-shape kernel table, or a ``kernel_fit.KernelFit`` on measured Libra-shaped calls
+    (forward and backward each its own, launch included); ``call_seconds``, ``bwd_call_seconds``,
+    ``peak_compute_seconds``, ``balanced_layer_seconds`` and the event model's kernels read it; None = the constant
+    ``attn_tflops``.
     collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_gbps, copy_launch_us: the
     whole-layer event model's latencies and copy rate (``plan.model.events``; defaults and their sources in
     ``plan.model.rates``); attn_bwd_tflops, bwd_kernel_launch_us, bwd_kernel_entry_us: the backward kernel's own
@@ -172,7 +175,7 @@ class StepTimeModel:
     worker_nodes: tuple = ()
     local_first: bool = True
     kv_relay: bool = False
-    calibration: Optional[CalibrationTable] = None
+    calibration: Optional[Union[CalibrationTable, KernelFit]] = None
     collective_us: float = DEFAULT_COLLECTIVE_US
     intra_message_us: float = DEFAULT_INTRA_MESSAGE_US
     inter_message_us: float = DEFAULT_INTER_MESSAGE_US
@@ -231,11 +234,21 @@ class StepTimeModel:
 
     def call_seconds(self, pair_heads, call_tokens, heads_per_call: int) -> np.ndarray:
         """Seconds of kernel calls of ``pair_heads`` work, each ``call_tokens`` query tokens x ``heads_per_call``
-        heads: at the ``calibration`` table's rate for that shape, else the constant rate."""
+        heads: at the ``calibration`` table's rate for that shape, else the constant rate; a ``KernelFit``
+        prices the whole forward call (its launch included)."""
         if self.calibration is None:
             return self.compute_seconds(pair_heads)
+        if isinstance(self.calibration, KernelFit):
+            return self.calibration.call_seconds(pair_heads, call_tokens, heads_per_call, "fwd")
         return attention_flops(pair_heads, self.head_dim) / self.calibration.flops_per_second(call_tokens,
                                                                                              heads_per_call)
+
+    def bwd_call_seconds(self, pair_heads, call_tokens, heads_per_call: int) -> np.ndarray:
+        """The backward of ``call_seconds``' call: a ``KernelFit``'s own backward, else ``BACKWARD_FLOPS_FACTOR`` x
+        the forward's seconds."""
+        if isinstance(self.calibration, KernelFit):
+            return self.calibration.call_seconds(pair_heads, call_tokens, heads_per_call, "bwd")
+        return self.call_seconds(pair_heads, call_tokens, heads_per_call) * BACKWARD_FLOPS_FACTOR
 
     def peak_compute_seconds(self, pair_heads) -> np.ndarray:
         """Seconds at the best throughput any call shape reaches (lower bounds)."""
@@ -253,6 +266,9 @@ class StepTimeModel:
     def balanced_layer_seconds(self, pair_heads, num_workers: int) -> float:
         """``balanced_seconds`` of the whole layer: forward plus backward, the backward at
         ``BACKWARD_FLOPS_FACTOR`` x the forward FLOPs (FlashAttention's recomputation included, ``plan.model.rates``)."""
+        if isinstance(self.calibration, KernelFit):  # each direction at its own peak
+            fwd_peak, bwd_peak = (self.calibration.peak_flops_per_second(d) for d in ("fwd", "bwd"))
+            return self.balanced_seconds(pair_heads, num_workers) * (1.0 + fwd_peak / bwd_peak)
         return self.balanced_seconds(pair_heads, num_workers) * (1.0 + BACKWARD_FLOPS_FACTOR)
 
     def comm_seconds(self, intra_bytes, inter_bytes) -> np.ndarray:
@@ -289,5 +305,8 @@ class StepTimeModel:
                             "before their remote entries" if self.kv_relay else "; no K/V relay"),
         }
         out["calibration"] = None if self.calibration is None else {
-            "device": self.calibration.device, "heads": list(self.calibration.heads)}
+            "device": self.calibration.device, "heads": list(self.calibration.heads),
+            "kind": getattr(self.calibration, "kind", "table")}
+        if isinstance(self.calibration, KernelFit):
+            out["calibration"].update(fwd=self.calibration.fwd.to_mapping(), bwd=self.calibration.bwd.to_mapping())
         return out

@@ -1,0 +1,108 @@
+"""The kernel price fitted on measured Libra-shaped calls (plan.model.kernel_fit): the fit, the shipped H200 fit,
+and every place the model reads it (call and backward seconds, the lower bound, the event model, the baselines)."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from libra_megatron.plan.model import Kernel, StepTimeModel, resolve_calibration, shipped_calibrations
+from libra_megatron.plan.model.events import OpCosts
+from libra_megatron.plan.model import KernelFit, PhaseFit, fit_kernel_calls, fit_quality
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RAW = os.path.join(ROOT, "data", "calibration", "raw", "h200-torch-fa2-call-shapes.json")
+
+
+def _by_hand(p: PhaseFit, pair_heads, q_rows, heads):
+    """The docstring's formula, written out again: launch + max(ctas / slots, 1) * (cta + keys per row * key)."""
+    ctas = q_rows / 128 * heads
+    return p.launch_us * 1e-6 + max(ctas / p.slots, 1.0) * (p.cta_us * 1e-6 + pair_heads / (heads * q_rows) * p.key_ns * 1e-9)
+
+
+def _rows_from(fwd: PhaseFit, bwd: PhaseFit):
+    rows = []
+    for heads in (4, 8, 16, 32):
+        for q in (1024, 2048, 4096, 8192):
+            for mult in (1, 4, 16):
+                for n in (1, 8):
+                    k = q * mult
+                    pair_heads = n * (q * (k - q) + q * (q + 1) / 2) * heads
+                    rows.append({"heads": heads, "q_block": q, "k_len": k, "entries": n,
+                                 "fwd_s": _by_hand(fwd, pair_heads, n * q, heads),
+                                 "bwd_s": _by_hand(bwd, pair_heads, n * q, heads)})
+    return rows
+
+
+def test_the_fit_recovers_known_constants_from_rows_they_generated():
+    fwd, bwd = PhaseFit(30.0, 4.0, 25.0, 128.0), PhaseFit(120.0, 3.0, 9.0, 64.0)  # slots on the grid, above 32 CTAs
+    fit = fit_kernel_calls(_rows_from(fwd, bwd), 128, "synthetic")
+    for got, want in ((fit.fwd, fwd), (fit.bwd, bwd)):
+        for key in ("launch_us", "cta_us", "key_ns", "slots"):
+            assert math.isclose(getattr(got, key), getattr(want, key), rel_tol=1e-6), (key, got, want)
+    quality = fit_quality(fit, _rows_from(fwd, bwd))
+    assert all(math.isclose(quality[d][s], 1.0, rel_tol=1e-6) for d in ("fwd", "bwd") for s in ("min", "max"))
+
+
+def test_the_shipped_h200_fit_is_what_the_shipped_rows_fit_to_and_prices_them_within_15_percent():
+    with open(RAW) as handle:
+        rows = json.load(handle)["rows"]
+    shipped = resolve_calibration("h200-torch-fa2-calls")
+    assert isinstance(shipped, KernelFit) and "h200-torch-fa2-calls" in shipped_calibrations()
+    refit = fit_kernel_calls(rows, 128, shipped.device)
+    for direction in ("fwd", "bwd"):  # the file cannot drift from the measurement it claims
+        assert getattr(refit, direction).to_mapping() == pytest.approx(getattr(shipped, direction).to_mapping(), rel=1e-9)
+    quality = fit_quality(shipped, rows)
+    for direction in ("fwd", "bwd"):
+        q = quality[direction]
+        table = sorted(r[f"calibrated_{direction}_over_measured"] for r in rows)  # the square-block table's lookup
+        assert 0.85 <= q["p10"] and q["p90"] <= 1.15 and 0.95 <= q["median"] <= 1.05, q
+        assert q["p90"] - q["p10"] < table[(9 * len(table)) // 10] - table[len(table) // 10]
+
+
+def test_the_model_reads_the_fit_for_calls_backward_lower_bound_and_events():
+    fit = KernelFit("synthetic", 128, PhaseFit(30.0, 4.0, 25.0, 128.0), PhaseFit(120.0, 3.0, 9.0, 32.0))
+    model = StepTimeModel(128, calibration=fit)
+    pair_heads, rows, heads = 3e9, 16384.0, 8
+    fwd, bwd = _by_hand(fit.fwd, pair_heads, rows, heads), _by_hand(fit.bwd, pair_heads, rows, heads)
+    assert math.isclose(float(model.call_seconds(pair_heads, rows, heads)), fwd, rel_tol=1e-12)
+    assert math.isclose(float(model.bwd_call_seconds(pair_heads, rows, heads)), bwd, rel_tol=1e-12)
+    costs = OpCosts(model)  # the whole-layer event model: the fit's whole call, no launch or entry added
+    for direction, want in (("fwd", fwd), ("bwd", bwd)):
+        op = Kernel(direction, 5, int(rows), int(4 * rows), int(pair_heads), heads)
+        assert math.isclose(costs.kernel(op), want, rel_tol=1e-12)
+    flops = 4 * 128 * pair_heads
+    peak_fwd, peak_bwd = (4 * 128 * 128 * p.slots / (p.key_ns * 1e-9) for p in (fit.fwd, fit.bwd))
+    assert math.isclose(model.balanced_layer_seconds(pair_heads, 4), (flops / peak_fwd + flops / peak_bwd) / 4,
+                        rel_tol=1e-12)
+    assert model.assumptions()["calibration"]["kind"] == "kernel_fit"
+
+
+def test_the_ulysses_and_ring_baselines_price_their_backward_by_the_fit():
+    from libra_megatron.sim.baselines import ulysses_layer_seconds
+    from libra_megatron.sim.hybrid_cp import HybridCpDims, ring_layer_seconds
+
+    fit = KernelFit("synthetic", 128, PhaseFit(30.0, 4.0, 25.0, 128.0), PhaseFit(120.0, 3.0, 9.0, 32.0))
+    model = StepTimeModel(128, calibration=fit, gpus_per_node=8)
+    pair_heads, tokens, cp = np.array([32 * 4096.0 * 4097 / 2]), np.array([4096.0]), 1
+    f, b = ulysses_layer_seconds(pair_heads, tokens, cp, (32, 4, 2), model)
+    launch = model.kernel_launch_us * 1e-6
+    assert math.isclose(float(f[0]), _by_hand(fit.fwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
+    assert math.isclose(float(b[0]), _by_hand(fit.bwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
+    ring = ring_layer_seconds(4096, [0], HybridCpDims(32, 4, 2), model)
+    assert math.isclose(ring[2], _by_hand(fit.bwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
+
+
+def test_a_bad_kernel_fit_names_the_flag(tmp_path):
+    bad = tmp_path / "fit.json"
+    bad.write_text(json.dumps({"kind": "kernel_fit", "head_dim": 128, "fwd": {"launch_us": 1}}))
+    with pytest.raises(ValueError, match=r"--calibration .*fit.json: a kernel_fit needs"):
+        resolve_calibration(str(bad))
+    bad.write_text(json.dumps({"kind": "kernel_fit", "head_dim": 128,
+                               "fwd": {"launch_us": 1, "cta_us": 1, "key_ns": 0, "slots": 1},
+                               "bwd": {"launch_us": 1, "cta_us": 1, "key_ns": 1, "slots": 1}}))
+    with pytest.raises(ValueError, match="slots and key_ns > 0"):
+        resolve_calibration(str(bad))
+    with pytest.raises(ValueError, match="--head-dim"):
+        StepTimeModel(64, calibration=resolve_calibration("h200-torch-fa2-calls"))
