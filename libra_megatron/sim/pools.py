@@ -113,7 +113,7 @@ class PoolResult:
 
 
 def _tile_compute_seconds(tiles: TileSet, assignment: np.ndarray, cost: StepTimeModel) -> np.ndarray:
-    per_tile = cost.call_seconds(tiles.tile_flops(), tiles.tile_tokens(), tiles.heads.q_piece)
+    per_tile = cost.tile_seconds(tiles.tile_flops(), tiles.tile_tokens(), tiles.heads.q_piece)
     return np.bincount(assignment, weights=per_tile, minlength=tiles.num_workers)
 
 

@@ -77,6 +77,14 @@ def test_the_model_reads_the_fit_for_calls_backward_lower_bound_and_events():
     assert math.isclose(model.balanced_layer_seconds(pair_heads, 4), (flops / peak_fwd + flops / peak_bwd) / 4,
                         rel_tol=1e-12)
     assert model.assumptions()["calibration"]["kind"] == "kernel_fit"
+    # tiles priced alone are shares of one full call: at equal keys per row they add up to the call less its launch
+    tile_rows = np.array([4096.0, 8192.0, 4096.0])
+    tiles_pair_heads = tile_rows * heads * 5000.0  # 5000 keys per query row in every tile
+    call = float(model.call_seconds(tiles_pair_heads.sum(), tile_rows.sum(), heads))  # 1024 CTAs: > 1 wave
+    shares = model.tile_seconds(tiles_pair_heads, tile_rows, heads)
+    by_hand = tile_rows / 128 * heads / fit.fwd.slots * (fit.fwd.cta_us * 1e-6 + 5000.0 * fit.fwd.key_ns * 1e-9)
+    assert np.allclose(shares, by_hand, rtol=1e-12)
+    assert math.isclose(float(shares.sum()), call - fit.fwd.launch_us * 1e-6, rel_tol=1e-12)
 
 
 def test_the_ulysses_and_ring_baselines_price_their_backward_by_the_fit():

@@ -51,6 +51,15 @@ class PhaseFit:
         per_cta = self.cta_us * 1e-6 + pair_heads / (heads * rows) * self.key_ns * 1e-9
         return np.where(pair_heads > 0, self.launch_us * 1e-6 + waves * per_cta, 0.0)
 
+    def share_seconds(self, pair_heads, q_rows, heads) -> np.ndarray:
+        """A piece's share of a call large enough to fill the waves (ctas / slots x per-CTA time, no launch):
+        what one SH-Tile adds to its chunk's call, so tiles' shares add up to that call's seconds less its launch."""
+        pair_heads = np.asarray(pair_heads, dtype=np.float64)
+        rows = np.maximum(np.asarray(q_rows, dtype=np.float64), 1.0)
+        heads = max(int(heads), 1)
+        per_cta = self.cta_us * 1e-6 + pair_heads / (heads * rows) * self.key_ns * 1e-9
+        return np.where(pair_heads > 0, rows / ROWS_PER_CTA * heads / self.slots * per_cta, 0.0)
+
     def peak_flops_per_second(self, head_dim: int) -> float:
         """The rate of a call large enough that launch and per-CTA costs vanish (forward FLOPs per second)."""
         return 4.0 * head_dim * ROWS_PER_CTA * self.slots / (self.key_ns * 1e-9)

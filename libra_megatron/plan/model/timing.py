@@ -243,6 +243,14 @@ class StepTimeModel:
         return attention_flops(pair_heads, self.head_dim) / self.calibration.flops_per_second(call_tokens,
                                                                                              heads_per_call)
 
+    def tile_seconds(self, pair_heads, tile_tokens, heads_per_call: int) -> np.ndarray:
+        """Forward seconds of pieces of a chunk's call (SH-Tiles), each priced alone: ``call_seconds``, except under
+        a ``KernelFit``, where a tile is its share of a full call (``PhaseFit.share_seconds``: no launch of its own,
+        no wave of its own)."""
+        if isinstance(self.calibration, KernelFit):
+            return self.calibration.fwd.share_seconds(pair_heads, tile_tokens, heads_per_call)
+        return self.call_seconds(pair_heads, tile_tokens, heads_per_call)
+
     def bwd_call_seconds(self, pair_heads, call_tokens, heads_per_call: int) -> np.ndarray:
         """The backward of ``call_seconds``' call: a ``KernelFit``'s own backward, else ``BACKWARD_FLOPS_FACTOR`` x
         the forward's seconds."""
