@@ -4,12 +4,18 @@ The ``calibration`` section times square causal blocks (n entries of B x B); the
 by its total query rows and heads (``plan.model.events.OpCosts.kernel`` -> ``StepTimeModel.call_seconds``). Libra's
 calls are not square: an entry is a query block of <= B rows over its document's whole causal prefix (k_len >
 q_len, bottom-right). This section times such calls -- entries of B query rows over prefixes of 1x, 4x and 16x B
-keys, 1 or 8 entries per call, 4-32 query heads (GQA group 8, as Qwen3-30B-A3B), forward and forward+backward --
+keys, 1, 8 or 32 entries per call, 4-32 query heads (GQA group 8, as Qwen3-30B-A3B), forward and forward+backward --
 and prices each one as the model does, under the constant default rates and under the table measured by the
 ``calibration`` section of the same run. Reports predicted / measured per shape, their median and spread, and
 writes every row to ``call_shapes.json``. Nothing here changes the model; it says how far to trust it.
 
-    python benchmarks/gpu/device_check.py --out OUT --only calibration call_shapes [--dry-run]
+Section ``pool_replay`` (this file too): real 256K P=8 CP=8 pools (linux and wikipedia) at the shipped
+``configs/libra/256k.yaml`` knobs, Qwen3-30B-A3B heads; every worker's hosted entries run as one chunk call (fwd, then
+bwd alone), times M; predicted per worker by the default rates and by the shipped fit
+(``--calibration h200-torch-fa2-calls``), as ``OpCosts.kernel`` prices the same call. Reports predicted / measured
+per worker and the worst worker / mean measured vs predicted: the kernel price on real pools, not probe shapes.
+
+    python benchmarks/gpu/device_check.py --out OUT --only calibration call_shapes pool_replay [--dry-run]
     python benchmarks/gpu/call_shapes_gpu.py [--dry-run] [--out DIR]   (calibration, then this section; JSON to stdout)
 """
 from __future__ import annotations
@@ -26,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
-GPU = dict(d=128, heads=(4, 8, 16, 32), blocks=(1024, 2048, 4096, 8192), k_mults=(1, 4, 16), entries=(1, 8),
+GPU = dict(d=128, heads=(4, 8, 16, 32), blocks=(1024, 2048, 4096, 8192), k_mults=(1, 4, 16), entries=(1, 8, 32),
            reps=3, max_pairs=6e9)
 DRY = dict(d=8, heads=(2, 4), blocks=(8, 16), k_mults=(1, 4), entries=(1, 2), reps=1, max_pairs=1e9)
 
@@ -63,6 +69,69 @@ def _priced(costs, heads: int, block: int, k_len: int, n: int):
 
     pairs = n * _pairs(block, k_len) * heads
     return tuple(costs.kernel(Kernel(direction, n, n * block, n * k_len, pairs, heads)) for direction in ("fwd", "bwd"))
+
+
+def _call_of(tables, heads):
+    """(Kernel fields) of one worker's chunk call over all its hosted entries: entries, q_rows, k_rows, pair-heads."""
+    pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(tables.q_lens, tables.k_lens))
+    return len(tables.q_lens), sum(tables.q_lens), sum(tables.k_lens), pairs * heads.q_piece
+
+
+def section_pool_replay(ctx) -> dict:
+    from device_check import _pool_segments, _replay_worker
+    from libra_megatron.config import LibraConfig, TilePlacement
+    from libra_megatron.plan.exchange import rank_tables
+    from libra_megatron.plan.layout import HeadLayout, TokenLayout
+    from libra_megatron.plan.model import Kernel, StepTimeModel, resolve_calibration
+    from libra_megatron.plan.model.events import OpCosts
+    from libra_megatron.plan.pool import plan_pool
+    from libra_megatron.plan.traces import find_trace, load_trace
+
+    sh, root = ctx.shape, os.path.dirname(os.path.dirname(HERE))
+    shipped = LibraConfig.from_yaml(os.path.join(root, "configs", "libra", "256k.yaml"))
+    H, M = (shipped.head_split, shipped.num_chunks) if not ctx.dry else (2, 1)
+    config = LibraConfig(pool_size=sh["pool_p"], head_split=H, block_size=shipped.block_size if not ctx.dry else 16,
+                         num_chunks=M, tau=shipped.tau, tile_placement=TilePlacement.ALG2)
+    heads = HeadLayout(sh["hq"], sh["hkv"], sh["head_dim"], H, M, elem_bytes=2)
+    layout = TokenLayout("zigzag", sh["pool_len"], sh["pool_cp"])
+    models = {"default": OpCosts(StepTimeModel(sh["head_dim"]))}
+    if sh["head_dim"] == 128:
+        models["fit"] = OpCosts(StepTimeModel(128, calibration=resolve_calibration("h200-torch-fa2-calls")))
+    out, calls = {}, []  # calls: every worker's one chunk call, its shape and seconds (pool_replay.json)
+    for trace in ("linux-6.12-files.qwen.txt", "wikipedia-flexsp.txt"):
+        docs = load_trace(find_trace(trace))
+        segs = _pool_segments(ctx, docs=docs)[0]
+        plan = plan_pool(segs, config, layout, heads, validate=False)
+        measured, predicted = [], {name: [] for name in models}
+        for w in range(plan.exchange.num_workers):
+            rp = plan.exchange.for_rank(w)
+            fwd, both = _replay_worker(ctx, rp, heads, sh["reps"])
+            measured.append((fwd, both - fwd))
+            n, q_rows, k_rows, pair_heads = _call_of(rank_tables(rp), heads)
+            calls.append({"trace": trace, "worker": w, "entries": n, "q_rows": q_rows, "k_rows": k_rows,
+                          "pair_heads": pair_heads, "heads": heads.q_piece, "fwd_s": fwd / M, "bwd_s": (both - fwd) / M})
+            for name, costs in models.items():
+                f, b = (M * costs.kernel(Kernel(d, n, q_rows, k_rows, pair_heads, heads.q_piece)) for d in ("fwd", "bwd"))
+                predicted[name].append((f, b))
+        row = {"measured_fwdbwd_max_over_mean": _max_over_mean([f + b for f, b in measured])}
+        for name, pairs in predicted.items():
+            ratios = {d: sorted(p[i] / m[i] for p, m in zip(pairs, measured) if m[i] > 0) for i, d in enumerate(("fwd", "bwd"))}
+            row[name] = {d: {"median": statistics.median(r), "min": r[0], "max": r[-1]} for d, r in ratios.items()}
+            row[name]["fwdbwd_max_over_mean"] = _max_over_mean([f + b for f, b in pairs])
+            row[name]["worst_worker_predicted_over_measured"] = (max(f + b for f, b in pairs)
+                                                                 / max(f + b for f, b in measured))
+        out[trace.split("-")[0]] = row
+    with open(os.path.join(ctx.out_dir, "pool_replay.json"), "w") as fh:
+        json.dump({"device": str(ctx.device), "layout_heads": [sh["hq"], sh["hkv"], sh["head_dim"], H, M],
+                   "calls": calls}, fh, indent=1)
+    out["file"] = "pool_replay.json"
+    out["layout"] = f"L={sh['pool_len']} P={sh['pool_p']} CP={sh['pool_cp']} B={config.block_size} H={H} M={M}, alg2 tiles"
+    return out
+
+
+def _max_over_mean(xs) -> float:
+    mean = sum(xs) / len(xs)
+    return max(xs) / mean if mean > 0 else 1.0
 
 
 def section_call_shapes(ctx) -> dict:

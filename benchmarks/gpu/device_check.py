@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): ten independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): eleven independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -26,6 +26,8 @@ section runs. Sections:
                fitted with CUDA events, a world-1 real-trace pool's predicted forward / backward vs measured
   call_shapes  kernel calls shaped like Libra's (q blocks over long causal prefixes, ``call_shapes_gpu.py``) timed
                and priced as the model prices them, default rates and the calibration table: predicted / measured
+  pool_replay  real 256K pools at the shipped knobs, every worker's chunk call timed and priced by the default
+               rates and the shipped kernel fit (``call_shapes_gpu.py``)
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -58,7 +60,7 @@ from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_flash, varlen_attn_func  # noqa: E402
 from step_model_gpu import section_step_model  # noqa: E402  (benchmarks/gpu/, this file's folder)
-from call_shapes_gpu import section_call_shapes  # noqa: E402
+from call_shapes_gpu import section_call_shapes, section_pool_replay  # noqa: E402
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
@@ -258,10 +260,10 @@ def section_calibration(ctx: Ctx) -> dict:
 
 
 # ============================================================================ 5. straggler
-def _pool_segments(ctx: Ctx, seq_len=None, pool_size=None):
+def _pool_segments(ctx: Ctx, seq_len=None, pool_size=None, docs=None):
     sh = ctx.shape
     seq_len, pool_size = seq_len or sh["pool_len"], pool_size or sh["pool_p"]
-    docs = load_trace(find_trace("linux-6.12-files.qwen.txt"))
+    docs = load_trace(find_trace("linux-6.12-files.qwen.txt")) if docs is None else docs
     if ctx.dry:
         docs = np.maximum(1, docs // 64)
     segs = [np.asarray(s) for s in pack_documents(docs, seq_len, "megatron", 1234)]
@@ -534,7 +536,7 @@ def section_exchange(ctx: Ctx) -> dict:
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
             "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
             "tables": section_tables, "exchange": section_exchange, "step_model": section_step_model,
-            "call_shapes": section_call_shapes}
+            "call_shapes": section_call_shapes, "pool_replay": section_pool_replay}
 
 
 def _summary(results: dict) -> str:

@@ -6,7 +6,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange",
-            "step_model", "call_shapes"}
+            "step_model", "call_shapes", "pool_replay"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -36,6 +36,10 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     for name in ("default", "calibrated"):
         assert shapes[f"{name}_fwd_predicted_over_measured"]["median"] > 0
         assert all(r[f"{name}_fwd_over_measured"] > 0 and r["fwd_s"] > 0 for r in rows)
+    replay = sections["pool_replay"]  # real pools at the shipped knobs: every worker timed and priced
+    for trace in ("linux", "wikipedia"):
+        assert replay[trace]["measured_fwdbwd_max_over_mean"] >= 1.0
+        assert replay[trace]["default"]["fwd"]["median"] > 0 and replay[trace]["default"]["fwdbwd_max_over_mean"] >= 1.0
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):
