@@ -185,3 +185,87 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def section_overhead_profile(ctx) -> dict:
+    """Where the P=1 operator's time over the bare kernel goes (the ``overhead`` section's H=1 M=1 and H=2 M=2
+    cases): torch.profiler over 3 fwd+bwd iterations of each, device time per kernel name; attention kernels
+    (names with 'flash' or 'fmha' or 'attention') apart from everything else (copies, index ops, merges).
+    Writes the per-name tables to ``overhead_profile.txt``."""
+    import device_check as dc
+    from torch.profiler import ProfilerActivity, profile
+
+    from libra_megatron.plan.layout import HeadLayout
+    from libra_megatron.runtime import libra_attn_func
+    from libra_megatron.runtime.kernels import VarlenBatch, varlen_attn_func
+    import torch.distributed as dist
+
+    sh = ctx.shape
+    segs, d = sh["overhead_segs"], sh["head_dim"]
+    L = int(sum(segs))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    q, k, v = ctx.randn(L, sh["hq"], d, grad=True), ctx.randn(L, sh["hkv"], d, grad=True), ctx.randn(L, sh["hkv"], d, grad=True)
+    do = ctx.randn(L, sh["hq"], d)
+    batch = VarlenBatch.from_lengths(segs, segs, ctx.device)
+    runs = {"bare": lambda: varlen_attn_func(q, k, v, batch).backward(do)}
+    for H, M in ((1, 1), (2, 2)):
+        plan = dc._p1_plan(segs, HeadLayout(sh["hq"], sh["hkv"], d, H, M, elem_bytes=2), sh["block"])
+        runs[f"H={H} M={M}"] = (lambda p: lambda: libra_attn_func(q, k, v, p, dist.group.WORLD).backward(do))(plan)
+    out, text = {}, []
+    for name, fn in runs.items():
+        fn()
+        ctx.sync()
+        with profile(activities=acts) as prof:
+            for _ in range(3):
+                fn()
+            ctx.sync()
+        rows = []
+        for e in prof.key_averages():
+            if ctx.cuda:  # device kernels only (their own time: no parent op counted twice)
+                if str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
+                    continue
+                t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            else:
+                t = e.self_cpu_time_total
+            if t:
+                rows.append((float(t) / 3.0, e.key, e.count // 3))
+        rows.sort(reverse=True)
+        attn = sum(t for t, key, _ in rows if any(s in key.lower() for s in ("flash", "fmha", "attention")))
+        total = sum(t for t, _, _ in rows)
+        out[name] = {"device_us_per_iter": total, "attention_kernel_us": attn, "other_us": total - attn,
+                     "top": [f"{key}: {t:.0f} us x{n}" for t, key, n in rows[:8]]}
+        text.append(f"== {name}\n" + "\n".join(f"{t:12.1f} us  x{n:<5} {key}" for t, key, n in rows[:40]))
+    with open(os.path.join(ctx.out_dir, "overhead_profile.txt"), "w") as fh:
+        fh.write("\n\n".join(text) + "\n")
+    out["file"] = "overhead_profile.txt"
+    return out
+
+
+def section_place_copies(ctx) -> dict:
+    """How to place rows fastest (the P=1 overhead is mostly ``index_put_``, ``overhead_profile``): a Q-sized bf16
+    buffer (32K rows x 32 heads x 128) written through a random permutation of its rows by ``index_put_`` with
+    int32 and int64 rows, ``index_copy_`` (int64), and a gather through the inverse permutation (``index_select``),
+    next to a plain copy; median seconds and GB/s (bytes read + written). Every variant's result is compared."""
+    sh = ctx.shape
+    rows_n = sh["seq_len"] if not ctx.dry else 64
+    src = ctx.randn(rows_n, sh["hq"], sh["head_dim"])
+    g = torch.Generator().manual_seed(0)
+    perm64 = torch.randperm(rows_n, generator=g).to(ctx.device)
+    perm32, inv64 = perm64.to(torch.int32), torch.argsort(perm64)
+    inv32 = inv64.to(torch.int32)
+    ref = torch.empty_like(src).index_put_((perm64,), src)
+    variants = {
+        "index_put_int32": lambda: torch.empty_like(src).index_put_((perm32,), src),
+        "index_put_int64": lambda: torch.empty_like(src).index_put_((perm64,), src),
+        "index_copy_int64": lambda: torch.empty_like(src).index_copy_(0, perm64, src),
+        "gather_inverse_int32": lambda: src.index_select(0, inv32),
+        "gather_inverse_int64": lambda: src.index_select(0, inv64),
+        "plain_copy": lambda: torch.empty_like(src).copy_(src),
+    }
+    nbytes = 2 * src.numel() * src.element_size()
+    out = {"rows": rows_n, "bytes_moved": nbytes}
+    for name, fn in variants.items():
+        same = name == "plain_copy" or bool(torch.equal(fn(), ref))
+        t = _time(ctx, fn, max(3, sh.get("reps", 3) if isinstance(sh.get("reps"), int) else 3))
+        out[name] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "same_result": same}
+    return out

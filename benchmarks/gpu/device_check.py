@@ -1,4 +1,4 @@
-"""The prepared device check (issue 8): eleven independent sections on one GPU, results as JSON + text.
+"""The prepared device check (issue 8): thirteen independent sections on one GPU, results as JSON + text.
 
 Needs only torch, numpy and this repository (plan/, sim/, runtime/ and testing/reference need nothing
 else; no flash-attn, TE, megatron-core or pyyaml). ``--dry-run`` runs the same code on CPU at tiny shapes
@@ -28,6 +28,8 @@ section runs. Sections:
                and priced as the model prices them, default rates and the calibration table: predicted / measured
   pool_replay  real 256K pools at the shipped knobs, every worker's chunk call timed and priced by the default
                rates and the shipped kernel fit (``call_shapes_gpu.py``)
+  overhead_profile  torch.profiler over the P=1 operator and the bare kernel: device time per kernel name
+  place_copies  index_put_ / index_copy_ / inverse gather of a Q-sized buffer: which placement is fastest
 
     python benchmarks/gpu/device_check.py --out OUT_DIR [--dry-run] [--only SECTION ...]
 """
@@ -60,7 +62,8 @@ from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.runtime import libra_attn_func, routes  # noqa: E402
 from libra_megatron.runtime.kernels import VarlenBatch, resolve_backend, torch_flash, varlen_attn_func  # noqa: E402
 from step_model_gpu import section_step_model  # noqa: E402  (benchmarks/gpu/, this file's folder)
-from call_shapes_gpu import section_call_shapes, section_pool_replay  # noqa: E402
+from call_shapes_gpu import (section_call_shapes, section_overhead_profile, section_place_copies,  # noqa: E402
+                             section_pool_replay)
 
 GPU = dict(head_dim=128, hq=32, hkv=4, entries=[(1024, 3072), (2048, 2048), (1, 777), (512, 4096), (3000, 3000)],
            seq_len=32768, overhead_segs=(4096, 8192, 4096, 16384), calib_tokens=32768,
@@ -536,7 +539,8 @@ def section_exchange(ctx: Ctx) -> dict:
 SECTIONS = {"backends": section_backends, "sync_free": section_sync_free, "overhead": section_overhead,
             "calibration": section_calibration, "straggler": section_straggler, "memory": section_memory,
             "tables": section_tables, "exchange": section_exchange, "step_model": section_step_model,
-            "call_shapes": section_call_shapes, "pool_replay": section_pool_replay}
+            "call_shapes": section_call_shapes, "pool_replay": section_pool_replay,
+            "overhead_profile": section_overhead_profile, "place_copies": section_place_copies}
 
 
 def _summary(results: dict) -> str:

@@ -10,7 +10,7 @@ Shape legend (one chunk m of the Pipeliner, §4.4):
 A route moves *units*; one unit is one row of the views above, so split sizes are row counts.
 
 Forward routes place (arranged[recv_rows] = received; recv_rows is a permutation of the arranged rows,
-so every row is written once). The inverse Q route (O, dQ) copies: every local Q row has
+so every row is written once; when it fills the arranged buffer, as one gather: received[recv_inverse]). The inverse Q route (O, dQ) copies: every local Q row has
 exactly one source over the chunks (a plan invariant, ``plan.exchange.validate``), so its target starts uninitialised
 -- no memset, no atomics (``index_put_`` without accumulate, which takes the int32 rows). The inverse K|V route accumulates (``index_add_``: several destinations and chunks
 feed one local row), casting the received rows to the target's dtype so a float32 target sums low-precision
@@ -88,6 +88,9 @@ class RouteIndex:
                route copies (each local row has one source); forward routes place
     target_rows rows of a forward route's target buffer when its receive rows fill only part of it (the KV
                route of a relaying pool: the relay route places the rest); None: every row is received
+    recv_inverse int32 [n_recv] the inverse permutation of recv_rows (target row -> received row) of a forward
+               route whose receive rows fill its target: placing is then a gather (``index_select``, ~4x an
+               ``index_put_`` on an H200); None: placed by ``index_put_``
     """
 
     send_rows: torch.Tensor
@@ -95,6 +98,7 @@ class RouteIndex:
     splits: RouteSplits
     accumulate: bool
     target_rows: Optional[int] = None
+    recv_inverse: Optional[torch.Tensor] = None
 
     def num_target_rows(self) -> int:
         return sum(self.splits.recv) if self.target_rows is None else self.target_rows
@@ -186,6 +190,12 @@ def _varlen_batch(cu_q, cu_k, host) -> VarlenBatch:
                        bounds=_bounds(host))
 
 
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """inverse[perm[i]] = i of a permutation on the device: its argsort (one small sort per plan, at upload;
+    no host sync), in the permutation's dtype."""
+    return torch.argsort(perm).to(perm.dtype)
+
+
 def upload_tables(tables: RankTables, device) -> DeviceTables:
     """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
     rows, offsets = _expand_all(tables, device)
@@ -196,12 +206,14 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
         relay = RelayRoutes(fwd=RouteIndex(out, into, tables.relay_splits, accumulate=False),
                             inv=RouteIndex(into, out, tables.relay_back_splits, accumulate=True))
     kv_target = None if relay is None else tables.kv_target_len
+    q_inverse, kv_inverse = _inverse(q_arr), (_inverse(kv_arr) if relay is None else None)
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
         q_rows, kv_rows = rows[id(q_send)], rows[id(kv_send)]
         chunks.append(ChunkRoutes(
-            q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False),
-            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False, target_rows=kv_target),
+            q_fwd=RouteIndex(q_rows, q_arr, tables.q_splits, accumulate=False, recv_inverse=q_inverse),
+            kv_fwd=RouteIndex(kv_rows, kv_arr, tables.kv_splits, accumulate=False, target_rows=kv_target,
+                              recv_inverse=kv_inverse),
             q_inv=RouteIndex(q_arr, q_rows, tables.q_back_splits, accumulate=False),  # one source per row
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
@@ -303,6 +315,8 @@ class PendingExchange:
         """Wait, then return the arranged buffer of a forward route (every received row written once; with
         ``target_rows``, the other rows are left for the relay route)."""
         received = self._take()
+        if self.index.recv_inverse is not None:  # every target row received: one gather
+            return received.index_select(0, self.index.recv_inverse)
         target = received.new_empty((self.index.num_target_rows(),) + tuple(received.shape[1:]))
         return target.index_put_((self.index.recv_rows,), received)
 
@@ -311,6 +325,8 @@ class PendingExchange:
         (the rows this rank sends itself are already here). ``rest_placed`` fills the other rows."""
         sp = self.index.splits
         send = self._send if self._send is not None else self.received  # a one-rank group kept only send
+        if self.index.recv_inverse is not None and sp.self_rows == self.index.num_target_rows():
+            return send[sp.self_send_offset : sp.self_send_offset + sp.self_rows].index_select(0, self.index.recv_inverse)
         target = send.new_empty((self.index.num_target_rows(),) + tuple(send.shape[1:]))
         rows = self.index.recv_rows[sp.self_recv_offset : sp.self_recv_offset + sp.self_rows]
         return target.index_put_((rows,), send[sp.self_send_offset : sp.self_send_offset + sp.self_rows])

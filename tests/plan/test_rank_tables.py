@@ -85,6 +85,9 @@ def _unit_arrays(ref, t, rp):
     """The reference arrays the device holds (int32; chunks sharing a kv piece share one array)."""
     kv = {id(r): a for r, a in zip(t.kv_send, ref.kv_send)}
     arrays = [*ref.q_send, *kv.values(), ref.q_arranged, ref.kv_arranged, ref.k_gather, ref.cu_q, ref.cu_k]
+    arrays += [np.argsort(ref.q_arranged)]  # the inverse permutations forward routes place through
+    if t.relay_send is None:
+        arrays += [np.argsort(ref.kv_arranged)]
     arrays += [a for part in _reference_sets(rp) if part is not None for a in part]
     return [a.astype(np.int32) for a in arrays]
 

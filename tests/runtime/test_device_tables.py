@@ -38,6 +38,12 @@ def assert_device_tables_equal_unit_tables(rp):
     kv_ids = {id(c.kv_fwd.send_rows) for c in dev.chunks}
     assert len(kv_ids) == len({id(r) for r in tables.kv_send})  # chunks sharing a kv piece share the tensor
     assert dev.nbytes == tables.nbytes() == sum(t.numel() * 4 for t in _distinct(dev))
+    for c in dev.chunks:  # forward routes that fill their target place by a gather through the inverse
+        for route, arranged in ((c.q_fwd, "q_arranged"), (c.kv_fwd, "kv_arranged")):
+            if route.recv_inverse is not None:
+                rows = getattr(ref, arranged)
+                np.testing.assert_array_equal(route.recv_inverse.numpy()[rows], np.arange(len(rows)))
+    assert (dev.chunks[0].kv_fwd.recv_inverse is None) == (dev.relay is not None)
     assert (dev.local is None) == (dev.remote is None) == (tables.local is None)
     assert (dev.heads is None) == (tables.heads is None)
     for part, host in ((dev.local, tables.local), (dev.remote, tables.remote), (dev.heads, tables.heads)):
@@ -51,6 +57,7 @@ def assert_device_tables_equal_unit_tables(rp):
 def _distinct(dev):
     arrays = [t for c in dev.chunks for t in (c.q_fwd.send_rows, c.kv_fwd.send_rows, c.q_fwd.recv_rows,
                                               c.kv_fwd.recv_rows)] + [dev.k_gather, dev.batch.cu_q, dev.batch.cu_k]
+    arrays += [t for c in dev.chunks for t in (c.q_fwd.recv_inverse, c.kv_fwd.recv_inverse) if t is not None]
     arrays += [t for part in (dev.local, dev.remote, dev.heads) if part is not None
                for t in (part.q_rows, part.k_gather, part.batch.cu_q, part.batch.cu_k)]
     return list({id(t): t for t in arrays}.values())

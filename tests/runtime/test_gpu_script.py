@@ -6,7 +6,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTIONS = {"backends", "sync_free", "overhead", "calibration", "straggler", "memory", "tables", "exchange",
-            "step_model", "call_shapes", "pool_replay"}
+            "step_model", "call_shapes", "pool_replay", "overhead_profile", "place_copies"}
 
 
 def test_device_check_dry_run_writes_every_section(tmp_path):
@@ -40,6 +40,11 @@ def test_device_check_dry_run_writes_every_section(tmp_path):
     for trace in ("linux", "wikipedia"):
         assert replay[trace]["measured_fwdbwd_max_over_mean"] >= 1.0
         assert replay[trace]["default"]["fwd"]["median"] > 0 and replay[trace]["default"]["fwdbwd_max_over_mean"] >= 1.0
+    profiled = sections["overhead_profile"]  # the P=1 operator's time by kernel name, next to the bare kernel's
+    assert profiled["bare"]["device_us_per_iter"] > 0 and profiled["H=1 M=1"]["top"]
+    assert (out / "overhead_profile.txt").stat().st_size > 0
+    place = sections["place_copies"]  # every placement variant writes the same rows
+    assert all(place[k]["same_result"] and place[k]["seconds"] > 0 for k in place if isinstance(place[k], dict))
     pool = sections["straggler"]["pools"][0]
     assert pool["libra_fwd_max_over_mean"] >= 1.0 and pool["pred_eq6_ulysses"] >= 1.0
     for name in ("summary.txt", "device.txt", "log.txt"):

@@ -206,8 +206,15 @@ class RankTables:
         return int(sum(x.nbytes for x in [self.cu_q, self.cu_k] + [c for p in self.entry_sets() for c in (p.cu_q, p.cu_k)]))
 
     def nbytes(self) -> int:
-        """Bytes of the expanded index tables on the device (distinct tables + varlen offsets)."""
-        return sum(t.nbytes for t in self.distinct_runs()) + self._offsets_nbytes()
+        """Bytes of the expanded index tables on the device (distinct tables + varlen offsets + the inverse
+        permutations of ``inverse_nbytes``)."""
+        return sum(t.nbytes for t in self.distinct_runs()) + self._offsets_nbytes() + self.inverse_nbytes()
+
+    def inverse_nbytes(self) -> int:
+        """Bytes of the inverse permutations the runtime places forward routes with (a gather through them is
+        ~4x an ``index_put_`` on an H200, docs/gpu.md): the arranged Q rows', and the arranged K|V rows' when
+        no relay route fills part of that buffer. One entry per arranged row, in the arranged tables' dtype."""
+        return self.q_arranged.nbytes + (self.kv_arranged.nbytes if self.relay_send is None else 0)
 
     def host_nbytes(self) -> int:
         """Bytes of the run tables themselves (what the planner builds and keeps)."""

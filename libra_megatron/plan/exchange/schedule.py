@@ -116,13 +116,22 @@ class _Rank:
         self.copy("gather", sum(splits.send), row_bytes, tag, m)
         return (self.exchange(splits, wire_bytes, POOL, tag, m), splits)
 
+    def _fills(self, tag: str) -> bool:
+        """The route's received rows fill its target, so the runtime places them by one gather through the
+        inverse permutation (``runtime.routes.RouteIndex.recv_inverse``): the Q route always, the K|V route
+        (tags ``kv*``) unless a relay route fills part of it."""
+        return not tag.startswith("kv") or self.t.relay_send is None
+
     def placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
-        """``PendingExchange.placed``: wait, place every received row."""
+        """``PendingExchange.placed``: wait, place every received row (a gather when they fill the target)."""
         self.wait(pending[0])
-        self.copy("place", sum(pending[1].recv), row_bytes, tag, m)
+        self.copy("gather" if self._fills(tag) else "place", sum(pending[1].recv), row_bytes, tag, m)
 
     def self_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
-        self.copy("place", pending[1].self_rows, row_bytes, tag, m)
+        """``PendingExchange.self_placed``: a gather when the self segment is the whole target, else a place."""
+        sp = pending[1]
+        whole = self._fills(tag) and sp.self_rows == sum(sp.recv)
+        self.copy("gather" if whole else "place", sp.self_rows, row_bytes, tag, m)
 
     def rest_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
         """Wait, place the rows before and after the self segment (each part only when it has rows)."""
