@@ -38,14 +38,10 @@ DRY = dict(d=8, heads=(2, 4), blocks=(8, 16), k_mults=(1, 4), entries=(1, 2), re
 
 
 def _pairs(q_len: int, k_len: int) -> int:
-    """Causal query-key pairs of one bottom-right entry: row i sees k_len - q_len + i + 1 keys."""
-    return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
+    """Causal query-key pairs of one bottom-right entry (``plan.model.entry_pair_heads`` at one head)."""
+    from libra_megatron.plan.model import entry_pair_heads
 
-
-def _time(ctx, fn, reps: int) -> float:
-    fn()
-    ctx.sync()
-    return statistics.median(ctx.seconds(fn, 1) for _ in range(reps))
+    return int(entry_pair_heads(q_len, k_len, 1))
 
 
 def _measure(ctx, sh, heads: int, block: int, k_len: int, n: int):
@@ -58,9 +54,9 @@ def _measure(ctx, sh, heads: int, block: int, k_len: int, n: int):
             for _ in range(2))
     do = torch.randn_like(q)
     with torch.no_grad():
-        fwd = _time(ctx, lambda: varlen_attn_func(q, k, v, batch), sh["reps"])
+        fwd = ctx.seconds(lambda: varlen_attn_func(q, k, v, batch), sh["reps"])
     out = varlen_attn_func(q, k, v, batch)  # the backward alone, on one kept graph
-    bwd = _time(ctx, lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), sh["reps"])
+    bwd = ctx.seconds(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), sh["reps"])
     return fwd, bwd
 
 
@@ -73,8 +69,10 @@ def _priced(costs, heads: int, block: int, k_len: int, n: int):
 
 def _call_of(tables, heads):
     """(Kernel fields) of one worker's chunk call over all its hosted entries: entries, q_rows, k_rows, pair-heads."""
-    pairs = sum(q * (k - q) + q * (q + 1) // 2 for q, k in zip(tables.q_lens, tables.k_lens))
-    return len(tables.q_lens), sum(tables.q_lens), sum(tables.k_lens), pairs * heads.q_piece
+    from libra_megatron.plan.model import entry_pair_heads
+
+    pair_heads = int(entry_pair_heads(tables.q_lens, tables.k_lens, heads.q_piece).sum())
+    return len(tables.q_lens), sum(tables.q_lens), sum(tables.k_lens), pair_heads
 
 
 def section_pool_replay(ctx) -> dict:
@@ -266,6 +264,6 @@ def section_place_copies(ctx) -> dict:
     out = {"rows": rows_n, "bytes_moved": nbytes}
     for name, fn in variants.items():
         same = name == "plain_copy" or bool(torch.equal(fn(), ref))
-        t = _time(ctx, fn, max(3, sh.get("reps", 3) if isinstance(sh.get("reps"), int) else 3))
+        t = ctx.seconds(fn, max(3, sh["reps"]))
         out[name] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "same_result": same}
     return out

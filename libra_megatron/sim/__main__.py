@@ -28,7 +28,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import List, Optional, Sequence, Type
+from typing import List, Optional, Sequence, Type, Union
 
 from ..cli import ArgumentParser, DefaultsHelpFormatter, add_debug_argument, run_cli
 from ..config import (KvFetch, KvRelay, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement,
@@ -39,7 +39,7 @@ from ..plan.traces import load_traces
 from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_COPY_LAUNCH_US,
                           DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                           DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_LAUNCH_US,
-                          CalibrationTable, StepTimeModel, resolve_calibration)
+                          CalibrationTable, KernelFit, StepTimeModel, resolve_calibration)
 from .hybrid_cp import HybridCpBaseline, subprocess_scheduler
 from .libra_yaml import LIBRA_CONFIG_FLAG, check_yaml_knobs, parse_with_libra_config, relay_on
 from .report import ProgressBar, format_table
@@ -229,7 +229,7 @@ def _model_dims(args: argparse.Namespace) -> ModelDims:
     return ModelDims(hq, hkv, d, DTYPE_BYTES[args.dtype])
 
 
-def _calibration(value: Optional[str]) -> Optional[CalibrationTable]:
+def _calibration(value: Optional[str]) -> Optional[Union[CalibrationTable, KernelFit]]:
     return resolve_calibration(value) if value is not None else None
 
 

@@ -43,12 +43,8 @@ class CalibrationTable:
 
     @classmethod
     def from_json(cls, path: str) -> "CalibrationTable":
-        return cls.from_json_flag(path, "--calibration")
-
-    @classmethod
-    def from_json_flag(cls, path: str, flag: str) -> "CalibrationTable":
-        data = read_json(path, f"{flag} {path}")
-        return cls.from_mapping(data, source=f"{flag} {path}")
+        data = read_json(path, f"--calibration {path}")
+        return cls.from_mapping(data, source=f"--calibration {path}")
 
     @classmethod
     def from_mapping(cls, data, source: str = "--calibration") -> "CalibrationTable":

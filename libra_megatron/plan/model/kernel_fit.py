@@ -26,6 +26,7 @@ from typing import Dict, Mapping, Sequence
 import numpy as np
 
 from .kernel_cost import nnls
+from .workload import entry_pair_heads
 
 __all__ = ["KernelFit", "PhaseFit", "fit_kernel_calls", "fit_phase", "fit_quality", "ROWS_PER_CTA"]
 
@@ -43,22 +44,23 @@ class PhaseFit:
     key_ns: float
     slots: float
 
-    def seconds(self, pair_heads, q_rows, heads) -> np.ndarray:
+    def _waves_and_cta_seconds(self, pair_heads, q_rows, heads):
+        """(pair_heads, fractional waves ctas / slots, seconds of one CTA) of calls of this shape."""
         pair_heads = np.asarray(pair_heads, dtype=np.float64)
         rows = np.maximum(np.asarray(q_rows, dtype=np.float64), 1.0)
         heads = max(int(heads), 1)
-        waves = np.maximum(rows / ROWS_PER_CTA * heads / self.slots, 1.0)
         per_cta = self.cta_us * 1e-6 + pair_heads / (heads * rows) * self.key_ns * 1e-9
-        return np.where(pair_heads > 0, self.launch_us * 1e-6 + waves * per_cta, 0.0)
+        return pair_heads, rows / ROWS_PER_CTA * heads / self.slots, per_cta
+
+    def seconds(self, pair_heads, q_rows, heads) -> np.ndarray:
+        pair_heads, waves, per_cta = self._waves_and_cta_seconds(pair_heads, q_rows, heads)
+        return np.where(pair_heads > 0, self.launch_us * 1e-6 + np.maximum(waves, 1.0) * per_cta, 0.0)
 
     def share_seconds(self, pair_heads, q_rows, heads) -> np.ndarray:
         """A piece's share of a call large enough to fill the waves (ctas / slots x per-CTA time, no launch):
         what one SH-Tile adds to its chunk's call, so tiles' shares add up to that call's seconds less its launch."""
-        pair_heads = np.asarray(pair_heads, dtype=np.float64)
-        rows = np.maximum(np.asarray(q_rows, dtype=np.float64), 1.0)
-        heads = max(int(heads), 1)
-        per_cta = self.cta_us * 1e-6 + pair_heads / (heads * rows) * self.key_ns * 1e-9
-        return np.where(pair_heads > 0, rows / ROWS_PER_CTA * heads / self.slots * per_cta, 0.0)
+        pair_heads, waves, per_cta = self._waves_and_cta_seconds(pair_heads, q_rows, heads)
+        return np.where(pair_heads > 0, waves * per_cta, 0.0)
 
     def peak_flops_per_second(self, head_dim: int) -> float:
         """The rate of a call large enough that launch and per-CTA costs vanish (forward FLOPs per second)."""
@@ -107,11 +109,10 @@ class KernelFit:
 def _rows_features(rows: Sequence[Mapping]):
     """(pair_heads, q_rows, heads) per measured row of the device check's ``call_shapes.json``."""
     n = np.array([r["entries"] for r in rows], dtype=np.float64)
-    q = np.array([r["q_block"] for r in rows], dtype=np.float64)
-    k = np.array([r["k_len"] for r in rows], dtype=np.float64)
+    q = np.array([r["q_block"] for r in rows], dtype=np.int64)
+    k = np.array([r["k_len"] for r in rows], dtype=np.int64)
     heads = np.array([r["heads"] for r in rows], dtype=np.float64)
-    pairs = n * (q * (k - q) + q * (q + 1) / 2)  # bottom-right causal: row i sees k - q + i + 1 keys
-    return pairs * heads, n * q, heads
+    return n * entry_pair_heads(q, k, 1) * heads, n * q, heads
 
 
 def fit_phase(pair_heads, q_rows, heads, seconds, slot_grid=None) -> PhaseFit:
