@@ -313,9 +313,11 @@ def fitted_model(fits, args, W: int, comm: str = "idle"):
     coll, msg, gbps, _ = fits["comm"][comm]
     (fl, fe, fr, _), (bl, be, br, _) = fits["kernels"]["fwd"], fits["kernels"]["bwd"]
     c_launch, c_gbps, _ = fits["copies"]["all"]
+    # one fitted rate for every copy kind, as the README's figures were measured (the GPU section fits each apart)
+    kinds = {kind + "_gbps": c_gbps for kind in ("gather", "place", "add")}
     fwd = StepTimeModel(args.d, attn_tflops=fr / 1e3, intra_node_gbps=gbps, inter_node_gbps=gbps, gpus_per_node=W,
                         worker_nodes=(0,) * W, kv_relay=False, collective_us=coll, intra_message_us=msg,
-                        inter_message_us=msg, kernel_launch_us=fl, kernel_entry_us=fe, copy_gbps=c_gbps,
+                        inter_message_us=msg, kernel_launch_us=fl, kernel_entry_us=fe, copy_gbps=c_gbps, **kinds,
                         copy_launch_us=c_launch, attn_bwd_tflops=br * BACKWARD_FLOPS_FACTOR / 1e3,
                         bwd_kernel_launch_us=bl, bwd_kernel_entry_us=be)
     return fwd

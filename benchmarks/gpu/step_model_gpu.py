@@ -92,8 +92,9 @@ def _model(fits, d: int):
 
     (fl, fe, fr, _), (bl, be, br, _) = fits["kernels"]["fwd"], fits["kernels"]["bwd"]
     c_launch, c_gbps, _ = fits["copies"]["all"]
+    kinds = {kind + "_gbps": fits["copies"][kind][1] for kind in ("gather", "place", "add")}
     return StepTimeModel(d, attn_tflops=fr / 1e3, worker_nodes=(0,), kernel_launch_us=fl, kernel_entry_us=fe,
-                         copy_gbps=c_gbps, copy_launch_us=c_launch, attn_bwd_tflops=br * BACKWARD_FLOPS_FACTOR / 1e3,
+                         copy_gbps=c_gbps, **kinds, copy_launch_us=c_launch, attn_bwd_tflops=br * BACKWARD_FLOPS_FACTOR / 1e3,
                          bwd_kernel_launch_us=bl, bwd_kernel_entry_us=be)
 
 

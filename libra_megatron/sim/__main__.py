@@ -36,7 +36,8 @@ from ..config import (KvFetch, KvRelay, LibraConfig, PackingMode, SaveModeName, 
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
-from ..plan.model import (DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_COPY_LAUNCH_US,
+from ..plan.model import (DEFAULT_ADD_GBPS, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
+                          DEFAULT_COPY_LAUNCH_US, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
                           DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                           DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_LAUNCH_US,
                           CalibrationTable, KernelFit, StepTimeModel, resolve_calibration)
@@ -161,7 +162,10 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
                                 ("--inter-message-us", DEFAULT_INTER_MESSAGE_US, "latency of every inter-node message"),
                                 ("--kernel-launch-us", DEFAULT_KERNEL_LAUNCH_US, "cost of every attention kernel call"),
                                 ("--copy-launch-us", DEFAULT_COPY_LAUNCH_US, "cost of every gather / scatter call"),
-                                ("--copy-gbps", DEFAULT_COPY_GBPS, "HBM GB/s of gathers and scatters (read + write)")):
+                                ("--gather-gbps", DEFAULT_GATHER_GBPS, "GB/s of row gathers (read + write)"),
+                                ("--place-gbps", DEFAULT_PLACE_GBPS, "GB/s of index_put_ row placements (read + write)"),
+                                ("--add-gbps", DEFAULT_ADD_GBPS, "GB/s of index_add_ fp32 row sums (read + write)"),
+                                ("--copy-gbps", DEFAULT_COPY_GBPS, "GB/s of plain copies: an all_to_all's self segment")):
         g.add_argument(flag, type=float, default=default, help=f"{what} (whole-layer model; plan/model/rates.py "
                                                                f"has the source of the default)")
     g.add_argument("--no-local-first", action="store_true",
@@ -263,7 +267,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                          kv_relay=relay_on(args.kv_relay), collective_us=args.collective_us,
                          intra_message_us=args.intra_message_us, inter_message_us=args.inter_message_us,
                          kernel_launch_us=args.kernel_launch_us, copy_launch_us=args.copy_launch_us,
-                         copy_gbps=args.copy_gbps)
+                         copy_gbps=args.copy_gbps, gather_gbps=args.gather_gbps, place_gbps=args.place_gbps,
+                         add_gbps=args.add_gbps)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,

@@ -15,7 +15,7 @@ US = 1e-6
 # 1 GB/s intra, 0.5 GB/s inter, 1 pair-head = 4*d FLOPs at d = 1 and 4e-6 TFLOP/s: 1 pair = 1 us
 RATES = dict(head_dim=1, attn_tflops=4e-6, intra_node_gbps=1.0, inter_node_gbps=0.5, gpus_per_node=2,
              collective_us=3.0, intra_message_us=1.0, inter_message_us=2.0, kernel_launch_us=0.0, copy_gbps=1.0,
-             copy_launch_us=0.0)
+             gather_gbps=1.0, place_gbps=1.0, add_gbps=1.0, copy_launch_us=0.0)
 
 
 def _model(**over):
@@ -112,6 +112,18 @@ def test_kernel_and_copy_costs_and_the_backward_factor():
     bwd = 100 * US * BACKWARD_FLOPS_FACTOR + 5 * US + 4 * 0.5 * US
     copy = 2 * US + 2 * 1000 / 1e9
     assert np.isclose(t.seconds[0], fwd + bwd + copy) and np.isclose(t.compute[0], t.seconds[0])
+
+
+def test_each_copy_kind_at_its_own_rate():
+    """gather / index_put_ / index_add_ are priced apart (their H200 rates differ 4x): 1000 bytes each at 1, 2 and
+    4 GB/s, read + written, plus one launch each."""
+    m = _model(gather_gbps=1.0, place_gbps=2.0, add_gbps=4.0, copy_launch_us=2.0)
+    ops = [[Copy("gather", 1000), Copy("place", 1000), Copy("add", 1000)]]
+    t = price_ops(ops, m)
+    expect = 3 * 2 * US + 2 * 1000 / 1e9 * (1 / 1.0 + 1 / 2.0 + 1 / 4.0)
+    assert np.isclose(t.seconds[0], expect) and np.isclose(t.compute[0], expect)
+    with pytest.raises(ValueError, match="--place-gbps must be a finite number > 0"):
+        _model(place_gbps=0.0)
 
 
 def test_compute_overlaps_an_exchange_in_flight():

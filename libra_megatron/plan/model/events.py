@@ -25,7 +25,8 @@ Costs of the
 compute stream: a kernel call is a launch plus its FLOPs (4 d x pairs x heads forward, times
 ``BACKWARD_FLOPS_FACTOR`` backward) at ``StepTimeModel.call_seconds``' rate, plus ``kernel_entry_us`` per varlen
 entry (0 on a GPU; the CPU fit's per-entry loop); an index copy is a launch plus
-2 x its bytes at the copy rate (read + write); calls with nothing to do cost nothing.
+2 x its bytes (read + write) at its kind's rate (gather, index_put_ "place", index_add_ "add": measured apart,
+``plan.model.rates``); calls with nothing to do cost nothing.
 
 What is not modelled: transfers of two exchanges in flight at once sharing bandwidth (the second waits for
 the first's link time instead), NVLink / InfiniBand contention between pools and with other parallelisms'
@@ -39,7 +40,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 
 from .kernel_fit import KernelFit
-from .ops import Copy, Exchange, Kernel, Wait
+from .ops import COPY_KINDS, Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
 __all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds",
@@ -75,7 +76,8 @@ class OpCosts:
         self.launch, self.entry = model.kernel_launch_us * US, model.kernel_entry_us * US
         self.bwd_launch = self.launch if model.bwd_kernel_launch_us is None else model.bwd_kernel_launch_us * US
         self.bwd_entry = self.entry if model.bwd_kernel_entry_us is None else model.bwd_kernel_entry_us * US
-        self.copy_launch, self.copy_per_byte = model.copy_launch_us * US, 2.0 / (model.copy_gbps * GB)
+        self.copy_launch = model.copy_launch_us * US
+        self.copy_per_byte = {kind: 2.0 / (getattr(model, kind + "_gbps") * GB) for kind in COPY_KINDS}
 
     def kernel(self, op: Kernel) -> float:
         if op.entries == 0 or op.pairs == 0:
@@ -91,7 +93,10 @@ class OpCosts:
         return seconds + self.launch + op.entries * self.entry
 
     def copy(self, op: Copy) -> float:
-        return 0.0 if op.nbytes == 0 else self.copy_launch + op.nbytes * self.copy_per_byte
+        per_byte = self.copy_per_byte.get(op.op)
+        if per_byte is None:
+            raise ValueError(f"Copy op {op.op!r} is not one of {COPY_KINDS} (plan.model.ops)")
+        return 0.0 if op.nbytes == 0 else self.copy_launch + op.nbytes * per_byte
 
 
 def _fair_sums(S: np.ndarray) -> np.ndarray:

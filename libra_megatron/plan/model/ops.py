@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Tuple, Union
 
-__all__ = ["Exchange", "Wait", "Kernel", "Copy", "Op", "POOL", "RELAY", "op_keys"]
+__all__ = ["Exchange", "Wait", "Kernel", "Copy", "Op", "POOL", "RELAY", "COPY_KINDS", "op_keys"]
 
 POOL, RELAY = "pool", "relay"
+COPY_KINDS = ("gather", "place", "add")  # Copy.op: index_select, index_put_, index_add_
 
 
 class Exchange(NamedTuple):

@@ -17,9 +17,18 @@ Latencies and copy rates (the whole-layer model, ``plan.model.events``), with wh
                                CUDA C++ Best Practices Guide) plus flash-attn's varlen setup; 8 us.
     DEFAULT_KERNEL_ENTRY_US    every varlen entry of a call: 0 (flash-attn's varlen kernel takes all entries in one
                                launch); a CPU fit's per-entry loop cost goes here.
-    DEFAULT_COPY_GBPS          gathers, scatters and index_add copies: each moves its bytes twice (read +
-                               write) at this HBM rate. H200's HBM3e peaks at 4.8 TB/s (NVIDIA H200 datasheet);
-                               indexed row copies reach ~60% of peak: 2900 GB/s.
+    DEFAULT_GATHER_GBPS        row gathers (``index_select`` / advanced-index reads: send buffers, packed K|V,
+    DEFAULT_PLACE_GBPS         received rows that fill their target), row placements (``index_put_``) and fp32
+    DEFAULT_ADD_GBPS           row sums (``index_add_``, dK|dV): each moves its bytes twice (read + write) at its
+                               own rate, measured on one H200 from the runtime's own calls (torch.profiler device
+                               time of ``libra_attn_func`` fwd+bwd at P=1, 32K tokens, 32 / 4 heads, H=1 M=1 and
+                               H=2 M=2, ``docs/gpu/h200-2026-12-04/overhead_profile_after.txt``, over the bytes of
+                               ``plan.exchange.schedule``'s op lists, less 4 us a call): gather 3490, index_put_
+                               890, fp32 index_add_ 1160 GB/s (``tests/plan/test_rates.py`` derives them again
+                               from that file). One rate for all three (2900 before) priced index_put_ at 3.3x and
+                               index_add_ at 2.5x their speed.
+    DEFAULT_COPY_GBPS          a plain device copy (the self segment of an ``all_to_all_single``): 4180 GB/s, one
+                               H200 copying a 268 MB buffer (``place_copies``, docs/gpu.md).
     DEFAULT_COPY_LAUNCH_US     every copy kernel: 4 us.
     BACKWARD_FLOPS_FACTOR      FlashAttention's backward runs 5 matmuls per (query, key) block -- S = QK^T
                                recomputed, dP = dO V^T, dV += P^T dO, dQ += dS K, dK += dS^T Q -- against the
@@ -29,7 +38,8 @@ from __future__ import annotations
 
 __all__ = ["GB", "TFLOP", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS", "DEFAULT_INTER_NODE_GBPS",
            "DEFAULT_GPUS_PER_NODE", "DEFAULT_COLLECTIVE_US", "DEFAULT_INTRA_MESSAGE_US", "DEFAULT_INTER_MESSAGE_US",
-           "DEFAULT_KERNEL_LAUNCH_US", "DEFAULT_KERNEL_ENTRY_US", "DEFAULT_COPY_GBPS", "DEFAULT_COPY_LAUNCH_US", "BACKWARD_FLOPS_FACTOR", "US"]
+           "DEFAULT_KERNEL_LAUNCH_US", "DEFAULT_KERNEL_ENTRY_US", "DEFAULT_COPY_GBPS", "DEFAULT_GATHER_GBPS",
+           "DEFAULT_PLACE_GBPS", "DEFAULT_ADD_GBPS", "DEFAULT_COPY_LAUNCH_US", "BACKWARD_FLOPS_FACTOR", "US"]
 
 GB = 1e9
 TFLOP = 1e12
@@ -43,6 +53,9 @@ DEFAULT_INTRA_MESSAGE_US = 2.0
 DEFAULT_INTER_MESSAGE_US = 5.0
 DEFAULT_KERNEL_LAUNCH_US = 8.0
 DEFAULT_KERNEL_ENTRY_US = 0.0
-DEFAULT_COPY_GBPS = 2900.0
+DEFAULT_COPY_GBPS = 4180.0
+DEFAULT_GATHER_GBPS = 3490.0
+DEFAULT_PLACE_GBPS = 890.0
+DEFAULT_ADD_GBPS = 1160.0
 DEFAULT_COPY_LAUNCH_US = 4.0
 BACKWARD_FLOPS_FACTOR = 2.5

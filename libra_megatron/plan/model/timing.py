@@ -43,7 +43,7 @@ import numpy as np
 
 from .calibration import CalibrationTable
 from .kernel_fit import KernelFit
-from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
+from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_ADD_GBPS, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
                     DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                     DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US, GB,
                     TFLOP)
@@ -160,8 +160,9 @@ class StepTimeModel:
     (forward and backward each its own, launch included); ``call_seconds``, ``bwd_call_seconds``,
     ``peak_compute_seconds``, ``balanced_layer_seconds`` and the event model's kernels read it; None = the constant
     ``attn_tflops``.
-    collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_gbps, copy_launch_us: the
-    whole-layer event model's latencies and copy rate (``plan.model.events``; defaults and their sources in
+    collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_launch_us, gather_gbps,
+    place_gbps, add_gbps, copy_gbps: the whole-layer event model's latencies and copy rates, each index copy kind
+    its own (gather, ``index_put_``, ``index_add_``; copy_gbps: the all_to_all's self segment) (``plan.model.events``; defaults and their sources in
     ``plan.model.rates``); attn_bwd_tflops, bwd_kernel_launch_us, bwd_kernel_entry_us: the backward kernel's own
     rate and costs where they differ from the forward's (None: the forward's; a CPU fit measures them). The Pipeliner timeline (``pipeline_seconds``, the placements' search) reads none of them.
     """
@@ -181,14 +182,18 @@ class StepTimeModel:
     inter_message_us: float = DEFAULT_INTER_MESSAGE_US
     kernel_launch_us: float = DEFAULT_KERNEL_LAUNCH_US
     kernel_entry_us: float = DEFAULT_KERNEL_ENTRY_US  # per varlen entry of a call (0 for flash-attn; a CPU fit's per-entry loop cost)
-    copy_gbps: float = DEFAULT_COPY_GBPS
+    copy_gbps: float = DEFAULT_COPY_GBPS  # plain copies: the self segment of an all_to_all
+    gather_gbps: float = DEFAULT_GATHER_GBPS  # Copy op "gather" (index_select)
+    place_gbps: float = DEFAULT_PLACE_GBPS  # Copy op "place" (index_put_)
+    add_gbps: float = DEFAULT_ADD_GBPS  # Copy op "add" (index_add_ into fp32 sums)
     copy_launch_us: float = DEFAULT_COPY_LAUNCH_US
     attn_bwd_tflops: Optional[float] = None  # the backward kernel's rate on its FLOPs; None: attn_tflops
     bwd_kernel_launch_us: Optional[float] = None  # None: kernel_launch_us
     bwd_kernel_entry_us: Optional[float] = None  # None: kernel_entry_us
 
     def __post_init__(self) -> None:
-        for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps", "copy_gbps"):
+        for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps", "copy_gbps", "gather_gbps", "place_gbps",
+                     "add_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r} "
@@ -298,7 +303,8 @@ class StepTimeModel:
             "collective_us": self.collective_us, "intra_message_us": self.intra_message_us,
             "inter_message_us": self.inter_message_us, "kernel_launch_us": self.kernel_launch_us,
             "kernel_entry_us": self.kernel_entry_us,
-            "copy_gbps": self.copy_gbps, "copy_launch_us": self.copy_launch_us,
+            "copy_gbps": self.copy_gbps, "gather_gbps": self.gather_gbps, "place_gbps": self.place_gbps,
+            "add_gbps": self.add_gbps, "copy_launch_us": self.copy_launch_us,
             "backward_flops_factor": BACKWARD_FLOPS_FACTOR, "attn_bwd_tflops": self.attn_bwd_tflops,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
                          "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "

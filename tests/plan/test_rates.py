@@ -1,0 +1,71 @@
+"""plan.model.rates: the per-kind copy rates are what one H200 measured for the runtime's own copies.
+
+The shipped profile (``docs/gpu/h200-2026-12-04/overhead_profile_after.txt``: torch.profiler device time per kernel
+name of ``libra_attn_func`` forward + backward at P=1, 32K tokens of 4 documents, 32 query / 4 K/V heads, d=128,
+bf16, H=1 M=1 and H=2 M=2) is read again; the bytes come from ``plan.exchange.schedule``'s op lists of the same
+plans. Each rate = 2 x bytes / (device time - one launch per call): the defaults may not drift from it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from libra_megatron.plan.exchange import build_exchange_plan
+from libra_megatron.plan.exchange.schedule import rank_layer_ops
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.model import (DEFAULT_ADD_GBPS, DEFAULT_COPY_LAUNCH_US, DEFAULT_GATHER_GBPS,
+                                       DEFAULT_PLACE_GBPS, Copy)
+from libra_megatron.plan.tiles import build_tiles
+
+PROFILE = Path(__file__).resolve().parents[2] / "docs" / "gpu" / "h200-2026-12-04" / "overhead_profile_after.txt"
+SEGS = (4096, 8192, 4096, 16384)  # benchmarks/gpu/device_check.py GPU["overhead_segs"], block 4096
+# the kernel names torch 2.11+cu130 gives each copy kind
+KERNELS = {"gather": "vectorized_gather_kernel", "place": "index_put_kernel_impl",
+           "add": "indexFuncLargeIndex<float"}
+
+
+def _profile_us(case: str) -> dict:
+    """{kind: (device us, calls)} of one ``== case`` table of the profile."""
+    text = PROFILE.read_text(encoding="utf-8").split(f"== {case}\n", 1)[1].split("\n== ", 1)[0]
+    out = {k: [0.0, 0] for k in KERNELS}
+    for line in text.splitlines():
+        hit = re.match(r"\s*([\d.]+) us\s+x(\d+)\s+(.*)", line)
+        for kind, name in KERNELS.items():
+            if hit and name in hit.group(3):
+                out[kind][0] += float(hit.group(1))
+                out[kind][1] += int(hit.group(2))
+    return out
+
+
+def _op_bytes(H: int, M: int) -> dict:
+    """{kind: (bytes, calls with bytes)} of the P=1 plan's forward + backward op lists."""
+    heads = HeadLayout(32, 4, 128, H, M, elem_bytes=2)
+    tiles = build_tiles([list(SEGS)], TokenLayout("contiguous", sum(SEGS), 1), heads, 4096)
+    fwd, bwd = rank_layer_ops(build_exchange_plan(tiles, tiles.tile_home()).for_rank(0), "arranged", "pool")
+    out = {k: [0, 0] for k in KERNELS}
+    for op in fwd + bwd:
+        if isinstance(op, Copy) and op.nbytes:
+            out[op.op][0] += op.nbytes
+            out[op.op][1] += 1
+    return out
+
+
+def test_the_copy_rates_are_the_h200_profile_of_the_runtimes_own_copies():
+    if not PROFILE.exists():
+        pytest.fail(f"{PROFILE} is missing: the copy rates' source is part of the repository")
+    nbytes = {k: 0 for k in KERNELS}
+    seconds = {k: 0.0 for k in KERNELS}
+    for case, (H, M) in (("H=1 M=1", (1, 1)), ("H=2 M=2", (2, 2))):
+        measured, listed = _profile_us(case), _op_bytes(H, M)
+        for kind in KERNELS:
+            us, calls = measured[kind]
+            assert calls == listed[kind][1], (case, kind, calls, listed[kind])  # the profile ran these op lists
+            nbytes[kind] += listed[kind][0]
+            seconds[kind] += (us - calls * DEFAULT_COPY_LAUNCH_US) * 1e-6
+    derived = {k: 2.0 * nbytes[k] / seconds[k] / 1e9 for k in KERNELS}
+    shipped = {"gather": DEFAULT_GATHER_GBPS, "place": DEFAULT_PLACE_GBPS, "add": DEFAULT_ADD_GBPS}
+    for kind in KERNELS:
+        assert np.isclose(shipped[kind], derived[kind], rtol=0.02), (kind, shipped[kind], derived[kind])
+    assert derived["place"] < derived["add"] < derived["gather"]  # why one rate for all misprices them
