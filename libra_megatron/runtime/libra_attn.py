@@ -26,20 +26,21 @@ arrived, every rank forwards the relayed rows it holds from its arranged K|V alo
 relay group (a second communicator over the pool's ranks, so the relay does not queue behind the other
 chunks' dispatches); a rank that receives relayed rows places them before its remote entries, a rank that
 only sends waits for its sends at the end of the forward. In backward the relayed rows' dK|dV go back to
-the relay (added into its arranged dK|dV, in fp32) right before the relay returns dK|dV home; in REFETCH
-mode the re-sent K|V is relayed again.
+the relay (added into its arranged dK|dV, in fp32) before the relay returns dK|dV home; where a kernel follows
+the next one (m + 2 < M) that relay inverse travels during the next chunk's kernel and is waited after it (its
+fp32 dK|dV alive one chunk longer: ``plan.model.memory.deferred_relay_bytes``), else at once (deferred, the home
+return would queue behind the last kernel). In REFETCH mode the re-sent K|V is relayed again.
 Backward mirrors it: dO travels the Q route, the kernel backward runs at the destination, dQ returns along
-``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute
-to the same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so
-their buffers start uninitialised (``_uninitialized_like``) and are filled by copies (no memset, no atomics). K/V travel once per step (``HeadLayout.kv_send_chunks``): a chunk that reads
-the kv piece of the chunk before it reuses that chunk's arranged K|V, and dK|dV of a piece is summed at
-the destination over its chunks and returned once, after the last (``kv_return_chunks``).
+``q_route.inverse()`` and dK|dV along ``kv_route.inverse()`` (index_add: several destinations contribute to the
+same local K/V rows). O and dQ rows have exactly one source over the chunks (a plan invariant), so their buffers
+start uninitialised (``_uninitialized_like``) and are filled by copies (no memset, no atomics). K/V travel once
+per step (``HeadLayout.kv_send_chunks``): a chunk reading the kv piece of the chunk before it reuses that chunk's
+arranged K|V; dK|dV of a piece is summed at the destination over its chunks, returned once after the last.
 
-Precision: every sum of dK|dV fragments runs in fp32 (fp64 for fp64 inputs): the varlen entries that
-share key rows at a destination, and the chunks that share a kv piece, are added into an fp32 arranged
-buffer, which goes home cast once to the input dtype -- or, when it sums several chunks (shared kv piece),
-in fp32 (one rounding of a larger partial sum would double the error; the fp32 wire is no more bytes than
-the per-chunk returns it replaces) -- and the home adds every destination's fragment into an fp32 local
+Precision: every sum of dK|dV fragments runs in fp32 (fp64 for fp64 inputs): entries sharing key rows at a
+destination and chunks sharing a kv piece add into an fp32 arranged buffer, which goes home cast once to the
+input dtype -- in fp32 when it sums several chunks (one rounding of a larger partial sum would double the error;
+no more bytes than the per-chunk returns it replaces) -- and the home adds every fragment into an fp32 local
 buffer, cast once at the end. O and dQ rows have exactly one source, so they are never summed.
 
 Per layer (a verified call key): the exchange's all_to_all_single calls (with a relay, one more per K/V-sending
@@ -104,8 +105,7 @@ class _Ctx:
         return self.stats.timed_kernel(fn, *args)
 
 
-def _uninitialized_like(x: torch.Tensor) -> torch.Tensor:
-    """O / dQ buffer: every row is written exactly once by the inverse Q route (tests fill it with NaN)."""
+def _uninitialized_like(x: torch.Tensor) -> torch.Tensor:  # O / dQ: each row written once (tests fill it with NaN)
     return torch.empty_like(x)
 
 
@@ -143,14 +143,13 @@ def _relay(cx: _Ctx, kv_arr, kind: str = "kv"):
     return start_exchange(kv_arr.index_select(0, relay.fwd.send_rows), relay.fwd, cx.relay_group, cx.stats, kind)
 
 
-def _relay_back(cx: _Ctx, dkv_arr) -> None:
-    """Backward of the relay: send the dK|dV of relayed rows to their relay, which adds them into its arranged
-    dK|dV (``cx.acc_dtype``, before it returns dK|dV home)."""
+def _relay_back(cx: _Ctx, dkv_arr):
+    """Backward of the relay, issued: the dK|dV of relayed rows go to their relay, which adds them into its arranged
+    dK|dV before it returns dK|dV home. The pending exchange (``into(dkv_arr)`` adds them), None without a relay."""
     relay = cx.tables.relay
     if relay is None:
-        return
-    start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats,
-                   "dkv").into(dkv_arr)
+        return None
+    return start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats, "dkv")
 
 
 def _packed_kv(cx: _Ctx, kv_arr):
@@ -375,20 +374,31 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
     kp = heads.kv_piece
     dkv_local = dout.new_zeros((k_shape[0] * heads.kv_pieces_per_token, 2 * kp, heads.head_dim), dtype=cx.acc_dtype)
     incoming = _bwd_inputs(cx, 0, dout_view, saved, local)
-    outgoing, kv_arr, dkv_arr = [], None, None
+    outgoing, kv_arr, dkv_arr, deferred = [], None, None, None  # deferred: (relay inverse, its dK|dV, chunk)
     returns = heads.kv_return_chunks()  # dK|dV of a kv piece goes home after the last chunk reading it
-    # a sum over several chunks goes home in the accumulation dtype: no rounding between the destination's and
-    # the home's fp32 sums, and no more bytes than the per-chunk returns it replaces (2x wire, >= 2x fewer rows)
-    dkv_wire = dout.dtype if returns.all() else cx.acc_dtype
+    dkv_wire = dout.dtype if returns.all() else cx.acc_dtype  # sums over several chunks go home in fp32 (above)
+
+    def dkv_home(relayed, dkv_arr, m):  # the relay's sums are read: wait its inverse, then send dK|dV home
+        if relayed is not None:
+            relayed.into(dkv_arr)
+        return _return(cx, dkv_arr, m, "kv_inv", "dkv", dkv_wire), dkv_local
+
     for m in range(heads.num_chunks):
         current = incoming
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
-        returning = [(_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view)]
+        # the relay inverse first (nothing queues ahead of it on the link), then the returns
+        relayed = _relay_back(cx, dkv_arr) if returns[m] else None  # relayed rows' dK|dV into the relay's sums
+        returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
+        returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view))
         if returns[m]:
-            _relay_back(cx, dkv_arr)  # relayed rows' dK|dV into the relay's sums before they go home
-            returning.append((_return(cx, dkv_arr, m, "kv_inv", "dkv", dkv_wire), dkv_local))
+            if relayed is not None and m + 2 < heads.num_chunks:  # home-bound after kernel m+1, beside kernel m+2
+                deferred = (relayed, dkv_arr, m)
+                if cx.stats is not None:
+                    cx.stats.kept_for_relay(dkv_arr)
+            else:
+                returning.append(dkv_home(relayed, dkv_arr, m))
             kv_arr = dkv_arr = None
         for pending, target in outgoing:
             pending.into(target)

@@ -50,6 +50,8 @@ class ExchangeStats:
                       when the backward re-exchanges instead of saving arranged tensors).
     kernel_seconds    thread CPU time spent inside attention kernel calls (fwd + bwd)
     saved_bytes       bytes the last forward kept alive for backward (``plan.model.memory`` predicts it)
+    deferred_bytes    the largest fp32 arranged dK|dV the backward kept alive one chunk longer for its relay
+                      inverse (``plan.model.memory.deferred_relay_bytes`` predicts it; 0 when none was)
     wait_seconds[kind] host wall time blocked waiting for that kind's exchanges to arrive. Meaningful on CPU
                       gloo only (its wait blocks until the data is there); a CUDA/NCCL wait only orders
                       streams, so there it measures nothing (``benchmarks/bench_exchange_wait_cpu.py``).
@@ -59,6 +61,7 @@ class ExchangeStats:
     kernel_seconds: float = 0.0
     kernel_calls: int = 0
     saved_bytes: int = 0
+    deferred_bytes: int = 0
     wait_seconds: Dict[str, float] = field(default_factory=dict)
 
     def add_wait(self, kind: str, seconds: float) -> None:
@@ -66,6 +69,10 @@ class ExchangeStats:
 
     def add_bytes(self, kind: str, num_bytes: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + int(num_bytes)
+
+    def kept_for_relay(self, dkv_arr: torch.Tensor) -> None:
+        """A backward kept ``dkv_arr`` alive one chunk longer for its relay inverse (``deferred_bytes``)."""
+        self.deferred_bytes = max(self.deferred_bytes, dkv_arr.numel() * dkv_arr.element_size())
 
     def timed_kernel(self, fn, *args):
         """Run ``fn(*args)`` and add its thread CPU time to ``kernel_seconds``."""

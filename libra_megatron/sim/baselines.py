@@ -13,7 +13,8 @@ activation dtype e): the same bytes as the forward, (CP-1)/CP x t x (2 hq + 2 hk
 Q, K, V, O in the head layout are kept from the forward (FlashAttention saves them), so nothing else travels.
 Nothing overlaps the all-to-alls. ``ulysses_layer_seconds`` prices both phases under the whole-layer model:
 compute = one kernel call of pair-heads / CP (the backward by ``StepTimeModel.bwd_call_seconds``: 2.5 x the forward
-FLOPs, FlashAttention's 5 matmuls with the recomputed QK^T vs 2, or a kernel fit's own) plus its launch; four all-to-all calls per
+FLOPs, FlashAttention's 5 matmuls with the recomputed QK^T vs 2, or a kernel fit's own) plus its launch
+(``StepTimeModel.launch_seconds``: none under a kernel fit, whose call includes it); four all-to-all calls per
 phase (Q, K, V / O forward; dO / dQ, dK, dV backward, one tensor each), each paying ``collective_us`` plus, per
 link class, bytes / bandwidth + peers x the message latency. ``ulysses_worker_seconds`` is the earlier
 forward-only figure (no latencies), kept for the ``forward_*`` keys.
@@ -96,11 +97,12 @@ def ulysses_layer_seconds(pair_heads, tokens, cp: int, heads: Tuple[int, int, in
     docstring): compute of load/CP plus the un-overlapped all-to-alls. ``heads`` = (hq, hkv, elem_bytes)."""
     hq, hkv, elem_bytes = heads
     compute = cost.call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
-    launch = np.where(np.asarray(pair_heads) > 0, cost.kernel_launch_us * US, 0.0)
+    busy = np.asarray(pair_heads) > 0  # a launch per call on top (none under a kernel fit: its call includes it)
+    launch, launch_b = (np.where(busy, cost.launch_seconds(d), 0.0) for d in ("fwd", "bwd"))
     calls = [ulysses_call_seconds(tokens, cp, h, elem_bytes, cost) for h in (hq, hkv, hkv, hq)]  # Q K V | O
     comm = np.sum(calls, axis=0)  # backward: dO | dQ dK dV, the same four sizes
     backward = cost.bwd_call_seconds(np.asarray(pair_heads, dtype=np.float64) / cp, tokens, max(hq // cp, 1))
-    return compute + launch + comm, backward + launch + comm
+    return compute + launch + comm, backward + launch_b + comm
 
 
 def wlb_repack(segments: Sequence[np.ndarray], num_sequences: int, cap_tokens: float) -> List[np.ndarray]:

@@ -12,8 +12,9 @@ What is modelled (per attention layer, forward then backward, the same ``StepTim
              GPUs (zigzag load balance), at the constant throughput (or the calibration table at l/cp
              query tokens and hq heads per call).
   comm       cp > 1: ring attention with per-step overlap, as Transformer Engine's P2P ring
-             (``AttnFuncWithCPAndKVP2P``) runs it. Forward: cp steps of equal compute c = compute / cp plus a
-             kernel launch; before step i (i >= 1) the K/V block of l/cp tokens (2 * hkv * d * elem bytes per
+             (``AttnFuncWithCPAndKVP2P``) runs it. Forward: cp steps of equal compute c, each one kernel call of
+             compute / cp pair-heads (a q block against one K|V block) plus its launch
+             (``StepTimeModel.launch_seconds``: none under a kernel fit, whose call price includes it); before step i (i >= 1) the K/V block of l/cp tokens (2 * hkv * d * elem bytes per
              token, all kv heads) arrives from the ring neighbour, sent while step i-1 computes, in
              x = alpha + bytes / bandwidth: alpha = the message latency (``StepTimeModel.intra_message_us`` /
              ``inter_message_us``) per ring step, the bandwidth intra-node when the CP group's GPUs share one
@@ -21,7 +22,7 @@ What is modelled (per attention layer, forward then backward, the same ``StepTim
              neighbour, the coupling of a ring).
              forward  = c + (cp - 1) * max(c, x)
              Backward: cp steps of compute c_b = 2.5 x c (``BACKWARD_FLOPS_FACTOR``: FlashAttention's backward
-             recomputes QK^T, 5 matmuls vs 2) plus a launch; the K/V block travels the ring again and the
+             recomputes QK^T, 5 matmuls vs 2; a kernel fit's own backward) plus a launch; the K/V block travels the ring again and the
              partial dK|dV sums travel with it (TE sends K|V and dK|dV in one buffer per step, at the
              activation dtype), so each of the cp - 1 overlapped transfers moves twice the bytes,
              x_b = alpha + 2 * bytes / bandwidth; after the last step the dK|dV block takes one more hop home,
@@ -85,10 +86,10 @@ def ring_layer_seconds(length: int, members: Sequence[int], dims: HybridCpDims,
     tokens on the CP group ``members`` (GPU ids), the whole-layer ring model of the module docstring."""
     cp = len(members)
     pair_heads = dims.num_q_heads * length * (length + 1) / 2.0
-    work = float(cost.call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))  # all cp steps' FLOPs
-    launch = cost.kernel_launch_us * US if length > 0 else 0.0
-    work_b = float(cost.bwd_call_seconds(pair_heads / cp, length / cp, dims.num_q_heads))
-    step_f, step_b = work / cp + launch, work_b / cp + launch
+    step = pair_heads / cp / cp  # one ring step's call: a q block of l/cp tokens against one K|V block
+    launch, launch_b = (cost.launch_seconds(d) if length > 0 else 0.0 for d in ("fwd", "bwd"))
+    step_f = float(cost.call_seconds(step, length / cp, dims.num_q_heads)) + launch
+    step_b = float(cost.bwd_call_seconds(step, length / cp, dims.num_q_heads)) + launch_b
     if cp == 1:
         return step_f, step_f, step_b, step_b
     inter = len({g // cost.gpus_per_node for g in members}) > 1

@@ -87,19 +87,32 @@ def test_the_model_reads_the_fit_for_calls_backward_lower_bound_and_events():
     assert math.isclose(float(shares.sum()), call - fit.fwd.launch_us * 1e-6, rel_tol=1e-12)
 
 
-def test_the_ulysses_and_ring_baselines_price_their_backward_by_the_fit():
+def test_the_ulysses_and_ring_baselines_price_their_calls_by_the_fit_with_one_launch():
+    """Under a kernel fit a call's price is the fit's, launch included: no second launch on top (Libra's calls in
+    ``plan.model.events`` get none either). A ring step is one call of the step's pairs; without a fit the
+    backward adds ``bwd_kernel_launch_us``, not the forward's launch."""
     from libra_megatron.sim.baselines import ulysses_layer_seconds
     from libra_megatron.sim.hybrid_cp import HybridCpDims, ring_layer_seconds
 
     fit = KernelFit("synthetic", 128, PhaseFit(30.0, 4.0, 25.0, 128.0), PhaseFit(120.0, 3.0, 9.0, 32.0))
     model = StepTimeModel(128, calibration=fit, gpus_per_node=8)
+    assert model.launch_seconds("fwd") == model.launch_seconds("bwd") == 0.0
     pair_heads, tokens, cp = np.array([32 * 4096.0 * 4097 / 2]), np.array([4096.0]), 1
     f, b = ulysses_layer_seconds(pair_heads, tokens, cp, (32, 4, 2), model)
-    launch = model.kernel_launch_us * 1e-6
-    assert math.isclose(float(f[0]), _by_hand(fit.fwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
-    assert math.isclose(float(b[0]), _by_hand(fit.bwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
+    assert math.isclose(float(f[0]), _by_hand(fit.fwd, pair_heads[0], 4096.0, 32), rel_tol=1e-12)
+    assert math.isclose(float(b[0]), _by_hand(fit.bwd, pair_heads[0], 4096.0, 32), rel_tol=1e-12)
     ring = ring_layer_seconds(4096, [0], HybridCpDims(32, 4, 2), model)
-    assert math.isclose(ring[2], _by_hand(fit.bwd, pair_heads[0], 4096.0, 32) + launch, rel_tol=1e-12)
+    assert math.isclose(ring[2], _by_hand(fit.bwd, pair_heads[0], 4096.0, 32), rel_tol=1e-12)
+    two = ring_layer_seconds(4096, [0, 1], HybridCpDims(32, 4, 2), model)  # compute: 2 steps of a quarter's pairs
+    step = pair_heads[0] / 4
+    assert math.isclose(two[1], 2 * _by_hand(fit.fwd, step, 2048.0, 32), rel_tol=1e-12)
+    assert math.isclose(two[3], 2 * _by_hand(fit.bwd, step, 2048.0, 32), rel_tol=1e-12)
+    plain = StepTimeModel(128, gpus_per_node=8, kernel_launch_us=7.0, bwd_kernel_launch_us=11.0)
+    f, b = ulysses_layer_seconds(pair_heads, tokens, cp, (32, 4, 2), plain)
+    assert math.isclose(float(f[0]), float(plain.call_seconds(pair_heads, tokens, 32)[0]) + 7e-6, rel_tol=1e-12)
+    assert math.isclose(float(b[0]), float(plain.bwd_call_seconds(pair_heads, tokens, 32)[0]) + 11e-6, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="direction"):
+        plain.launch_seconds("both")
 
 
 def test_a_bad_kernel_fit_names_the_flag(tmp_path):

@@ -44,6 +44,15 @@ def test_full_recompute_turns_a_refetch_budget_into_arranged():
     assert choose_save_mode("auto", per_layer, 16.0, saved_layers(48, "full", "uniform", 1)) is SaveModeName.ARRANGED
 
 
+def test_the_relay_inverse_buffer_counts_once_on_top_of_the_saved_layers():
+    """7 layers x 2 GiB = 14 GiB fits 16 GiB; the backward's one transient 3 GiB (a dK|dV kept for its relay inverse,
+    ``deferred_relay_bytes``) on the same rank does not (17 GiB), on another rank it does (1 x 7 + 3 = 10)."""
+    per_layer = np.array([1 * int(GIB), 2 * int(GIB)])
+    assert choose_save_mode("auto", per_layer, 16.0, 7) is SaveModeName.ARRANGED
+    assert choose_save_mode("auto", per_layer, 16.0, 7, np.array([0, 3 * int(GIB)])) is SaveModeName.REFETCH
+    assert choose_save_mode("auto", per_layer, 16.0, 7, np.array([3 * int(GIB), 0])) is SaveModeName.ARRANGED
+
+
 def _real_pools(name, seq_len, cp, num_pools, seed):
     rng = np.random.default_rng(seed)
     segs = packed_trace_segments(rng, 2 * num_pools, seq_len, name=name)

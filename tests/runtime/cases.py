@@ -153,12 +153,13 @@ def run_libra_case(rank: int, case: dict, group=None) -> dict:
     kv_recv_remote = int(rp.kv_route.recv_splits.sum() - rp.kv_route.recv_splits[rank])
     relay_recv = 0 if rp.relay_route is None else int(rp.relay_route.recv_splits.sum())
     kv_recv_remote += relay_recv  # dK|dV of relayed rows go back to the relay (the input dtype = fp32 sums here)
-    from libra_megatron.plan.model import saved_bytes_per_rank
+    from libra_megatron.plan.model import deferred_relay_bytes, saved_bytes_per_rank
     from libra_megatron.testing.unit_tables import entry_kinds_by_units
 
     predicted = int(saved_bytes_per_rank(plan, rp.heads, layout.local_len, case["save_mode"])[rank])
     return dict(errs=errs, bytes=dict(stats.bytes_sent), plan_bytes=list(rp.bytes_sent),
-                saved_predicted=predicted,
+                saved_predicted=predicted, deferred_bytes=stats.deferred_bytes,
+                deferred_predicted=int(deferred_relay_bytes(plan, rp.heads)[rank]),
                 kv_recv_bytes=kv_recv_remote * rp.heads.kv_bytes_per_token(), saved_bytes=stats.saved_bytes,
                 shape_ok=tuple(out.shape) == tuple(args[0].shape) and out.dtype == dtype,
                 kernel_calls=stats.kernel_calls, deterministic_seen=sorted(set(seen)),

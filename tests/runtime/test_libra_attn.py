@@ -90,6 +90,7 @@ def test_two_pools_on_subgroups_run_different_plans_concurrently():
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
     cases, _, _, results, _, _ = _suite(world_size)
+    deferred = []  # per case: the dK|dV bytes kept for a relay inverse, summed over ranks
     for i, case in enumerate(cases):
         for rank, res in enumerate(results):
             r = res["libra"][i]
@@ -103,10 +104,13 @@ def test_bytes_sent_per_rank_equal_plan_prediction(world_size):
             else:
                 assert "q_bwd" not in got and r["saved_bytes"] > 0
             assert r["saved_bytes"] == r["saved_predicted"], (i, rank, case["save_mode"])  # plan.model.memory
+            assert r["deferred_bytes"] == r["deferred_predicted"], (i, rank)  # the relay inverse's kept dK|dV
             # every exchange this rank waited on was timed (CPU gloo: ExchangeStats.wait_seconds, the benchmark's input)
             assert {"q", "kv", "o", "do", "dq", "dkv"} <= set(r["waited"]), (i, rank, r["waited"])
         total_kv = sum(res["libra"][i]["bytes"].get("kv", 0) for res in results)
+        deferred.append(sum(res["libra"][i]["deferred_bytes"] for res in results))
         assert total_kv == sum(res["libra"][i]["bytes"].get("dkv", 0) for res in results)
+    assert world_size != 4 or any(deferred), deferred  # a relaying case (world 4) kept a dK|dV for its relay inverse
 
 
 def test_cases_cover_the_required_grid():

@@ -328,23 +328,33 @@ def _backward(rk: _Rank, refetch: bool) -> None:
     M = heads.num_chunks
     returns = heads.kv_return_chunks()
     dkv_wire = 2 * sz.kp * sz.d * (sz.e if returns.all() else sz.acc)
+
+    def dkv_home(relayed, m):  # ``dkv_home``: wait the relay inverse and add it, then send dK|dV home
+        if relayed is not None:
+            rk.into(relayed, sz.dkv_acc, True, "relay_back", m)
+        # received at the wire dtype, cast to the accumulation dtype, then added: the add reads ``a`` bytes
+        return (rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True, "dkv", m)
+
     incoming = _bwd_inputs(rk, 0, refetch)
-    outgoing = []
+    outgoing, deferred = [], None
     for m in range(M):
         current = incoming
         if m + 1 < M:
             incoming = _bwd_inputs(rk, m + 1, refetch)
         _bwd_chunk(rk, current, m)
-        returning = [(rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m)]
+        relayed = None
+        if returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
+            sp = t.relay_back_splits
+            rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
+            relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
+        returning = [dkv_home(*deferred)] if deferred is not None else []
+        deferred = None
+        returning.append((rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m))
         if returns[m]:
-            if t.relay_back_splits is not None:  # ``_relay_back``
-                sp = t.relay_back_splits
-                rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
-                pend = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
-                rk.into(pend, sz.dkv_acc, True, "relay_back", m)
-            # received at the wire dtype, cast to the accumulation dtype, then added: the add reads ``a`` bytes
-            returning.append((rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True,
-                              "dkv", m))
+            if relayed is not None and m + 2 < M:  # waited after the next kernel
+                deferred = (relayed, m)
+            else:
+                returning.append(dkv_home(relayed, m))
         for pending, row, acc, tag, mm in outgoing:
             rk.into(pending, row, acc, tag, mm)
         outgoing = returning

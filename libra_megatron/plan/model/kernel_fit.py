@@ -33,6 +33,7 @@ __all__ = ["KernelFit", "PhaseFit", "fit_kernel_calls", "fit_phase", "fit_qualit
 ROWS_PER_CTA = 128  # query rows of one thread block of FlashAttention-2's forward (Hopper and Ampere, d = 128)
 _PHASE_KEYS = ("launch_us", "cta_us", "key_ns", "slots")
 SLOT_GRID = 2.0 ** (np.arange(3 * 24, 12 * 24 + 1) / 24.0)  # 8 .. 4096 slots, 24 per octave (powers of 2 exact)
+TIE_RTOL = 1e-9  # fit errors this close are one error in floating point (``fit_phase``)
 
 
 @dataclass(frozen=True)
@@ -117,19 +118,21 @@ def _rows_features(rows: Sequence[Mapping]):
 
 def fit_phase(pair_heads, q_rows, heads, seconds, slot_grid=None) -> PhaseFit:
     """Least squares in relative error: for each ``slots`` of the grid, the non-negative (launch, cta, per_key)
-    that minimise sum ((predicted - measured) / measured)^2; the best slots wins (first on ties)."""
+    that minimise sum ((predicted - measured) / measured)^2; the best slots wins. Slots at or below every row's
+    CTA count fit equally well (each row fills its waves; only cta / slots and per_key / slots are determined), so
+    errors within ``TIE_RTOL`` of the best are ties and the largest tied slots wins: the longest one-wave call
+    (the conservative price of a call with fewer CTAs than any row), and the same answer under every BLAS."""
     pair_heads, q_rows, heads, seconds = (np.asarray(x, dtype=np.float64) for x in (pair_heads, q_rows, heads, seconds))
     grid = SLOT_GRID if slot_grid is None else np.asarray(slot_grid, dtype=np.float64)
     kpr = pair_heads / (heads * q_rows)
-    best = None
+    fits = []
     for slots in grid:
         waves = np.maximum(q_rows / ROWS_PER_CTA * heads / slots, 1.0)
         a = np.stack([np.full_like(waves, 1e-6), waves * 1e-6, waves * kpr * 1e-9], axis=1) / seconds[:, None]
         x = nnls(a, np.ones_like(seconds))
-        err = float(np.sum((a @ x - 1.0) ** 2))
-        if best is None or err < best[0]:
-            best = (err, PhaseFit(float(x[0]), float(x[1]), float(x[2]), float(slots)))
-    return best[1]
+        fits.append((float(np.sum((a @ x - 1.0) ** 2)), PhaseFit(float(x[0]), float(x[1]), float(x[2]), float(slots))))
+    best = min(err for err, _ in fits)
+    return max((fit for err, fit in fits if err <= best * (1.0 + TIE_RTOL)), key=lambda fit: fit.slots)
 
 
 def fit_kernel_calls(rows: Sequence[Mapping], head_dim: int, device: str, source: str = "") -> KernelFit:

@@ -9,6 +9,13 @@ What ``runtime.libra_attn_func`` keeps alive for backward, per rank and per tran
     refetch   only lse per chunk, plus references to the local q, k, v, out (t tokens)
                   bytes = M * nq*qp*l + t*(2*hq + 2*hkv)*d*e
 
+Backward keeps one buffer longer when the plan relays K/V (``relay_units`` set): a chunk's fp32 arranged dK|dV
+returned by chunk m < M - 2 waits for its relay inverse across the next chunk's kernel (``runtime.libra_attn._bwd``),
+so at most one more
+arranged dK|dV in the accumulation dtype is alive during backward, transient (one layer at a time):
+                  bytes = nkv*2*kp*d*a       (``deferred_relay_bytes``; a = 4, 8 for fp64; 0 without a relay)
+``choose_save_mode`` counts it once on top of the saved layers' bytes.
+
 nq / nkv = Q / KV units the rank hosts (arranged rows per chunk), t = local tokens, e = element bytes of
 q/k/v, l = lse bytes (4; 8 for fp64 inputs). ``runtime`` reports the same quantity as
 ``ExchangeStats.saved_bytes``; tests assert equality. ``choose_save_mode`` is the ``save_mode=auto`` rule:
@@ -26,7 +33,8 @@ import numpy as np
 
 from ...config import SaveModeName
 
-__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "choose_save_mode", "saved_layers"]
+__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "deferred_relay_bytes", "choose_save_mode",
+           "saved_layers"]
 
 GIB = float(1 << 30)
 
@@ -56,23 +64,40 @@ def saved_bytes_per_rank(exchange, heads, local_tokens: int, mode) -> np.ndarray
     raise ValueError(f"saved_bytes_per_rank: mode must be arranged or refetch, got {mode.value}")
 
 
+def deferred_relay_bytes(exchange, heads) -> np.ndarray:
+    """int64 [W]: the arranged dK|dV (accumulation dtype) each rank keeps alive one chunk longer in backward while
+    its relay inverse travels (module docstring); zeros when the plan does not relay or no chunk m < M - 2 returns
+    dK|dV (the runtime waits every relay inverse at once then)."""
+    _, nkv = hosted_units(exchange)
+    returns = heads.kv_return_chunks()
+    defers = bool(returns[: max(0, heads.num_chunks - 2)].any())  # a return with a kernel after the next one
+    if getattr(exchange, "relay_units", None) is None or not defers:
+        return np.zeros_like(np.asarray(nkv, dtype=np.int64))
+    acc = 8 if heads.elem_bytes == 8 else 4
+    return np.asarray(nkv, dtype=np.int64) * 2 * heads.kv_piece * heads.head_dim * acc
+
+
 def predicted_saved_bytes(exchange, heads, local_tokens: int) -> Dict[str, np.ndarray]:
     """{"arranged": int64 [W], "refetch": int64 [W]} bytes per rank per layer."""
     return {m.value: saved_bytes_per_rank(exchange, heads, local_tokens, m)
             for m in (SaveModeName.ARRANGED, SaveModeName.REFETCH)}
 
 
-def choose_save_mode(mode, arranged_bytes_per_rank: np.ndarray, budget_gb: float, num_layers: int) -> SaveModeName:
+def choose_save_mode(mode, arranged_bytes_per_rank: np.ndarray, budget_gb: float, num_layers: int,
+                     transient_bytes_per_rank=None) -> SaveModeName:
     """Resolve ``save_mode``: ``auto`` keeps arranged tensors iff the pool's worst rank fits the budget.
 
     arranged_bytes_per_rank: int64 [W] per layer (``saved_bytes_per_rank(..., "arranged")``);
-    budget_gb: GiB for one microbatch over ``num_layers`` layers. Pool-wide inputs: same answer on every rank.
+    budget_gb: GiB for one microbatch over ``num_layers`` layers; transient_bytes_per_rank: int64 [W] one layer's
+    backward keeps besides (``deferred_relay_bytes``), counted once. Pool-wide inputs: same answer on every rank.
     """
     mode = SaveModeName(mode)
     if mode is not SaveModeName.AUTO:
         return mode
-    worst = int(np.max(arranged_bytes_per_rank, initial=0))
-    fits = worst * max(1, int(num_layers)) <= budget_gb * GIB
+    total = np.asarray(arranged_bytes_per_rank, dtype=np.int64) * max(1, int(num_layers))
+    if transient_bytes_per_rank is not None:
+        total = total + np.asarray(transient_bytes_per_rank, dtype=np.int64)
+    fits = int(np.max(total, initial=0)) <= budget_gb * GIB
     return SaveModeName.ARRANGED if fits else SaveModeName.REFETCH
 
 

@@ -46,7 +46,7 @@ from .kernel_fit import KernelFit
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_ADD_GBPS, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
                     DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                     DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US, GB,
-                    TFLOP)
+                    TFLOP, US)
 from .workload import attention_flops
 
 __all__ = ["StepTimeModel", "RelayTiming", "pipeline_seconds", "best_lead", "link_seconds"]
@@ -262,6 +262,18 @@ class StepTimeModel:
         if isinstance(self.calibration, KernelFit):
             return self.calibration.call_seconds(pair_heads, call_tokens, heads_per_call, "bwd")
         return self.call_seconds(pair_heads, call_tokens, heads_per_call) * BACKWARD_FLOPS_FACTOR
+
+    def launch_seconds(self, direction: str = "fwd") -> float:
+        """What one kernel call adds on top of ``call_seconds`` / ``bwd_call_seconds``: nothing under a ``KernelFit``
+        (its call price includes the launch), else ``kernel_launch_us`` (``bwd_kernel_launch_us`` for "bwd", when
+        set) -- what ``plan.model.events`` charges Libra's calls, for the baselines' calls too."""
+        if direction not in ("fwd", "bwd"):
+            raise ValueError(f"launch_seconds: direction must be 'fwd' or 'bwd', got {direction!r}")
+        if isinstance(self.calibration, KernelFit):
+            return 0.0
+        if direction == "bwd" and self.bwd_kernel_launch_us is not None:
+            return self.bwd_kernel_launch_us * US
+        return self.kernel_launch_us * US
 
     def peak_compute_seconds(self, pair_heads) -> np.ndarray:
         """Seconds at the best throughput any call shape reaches (lower bounds)."""
