@@ -6,6 +6,8 @@ which lists the CP groups of P consecutive DP replicas.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -176,21 +178,15 @@ class HeadLayout:
         return self.kv_piece_index()[first_shard]
 
     def kv_send_chunks(self) -> np.ndarray:
-        """bool [M]: chunk m fetches K/V (its pieces are read by no earlier chunk); other chunks reuse them.
-
-        The pattern is the same for every class (shards start at kv-head boundaries), and the chunks that
-        read one piece are consecutive."""
-        pieces = self.kv_piece_of_class()
-        sends = np.ones(self.num_chunks, dtype=bool)
-        sends[1:] = pieces[0, 1:] != pieces[0, :-1]
-        assert (np.diff(pieces, axis=1) >= 0).all() and ((pieces[:, 1:] != pieces[:, :-1]) == sends[1:]).all()
-        return sends
+        """bool [M] (read-only): chunk m fetches K/V (its pieces are read by no earlier chunk); other chunks reuse
+        them. The pattern is the same for every class (shards start at kv-head boundaries), and the chunks that
+        read one piece are consecutive. Cached per head shape (the planner's op lists ask per rank)."""
+        return _kv_send_chunks(self)
 
     def kv_return_chunks(self) -> np.ndarray:
-        """bool [M]: chunk m is the last to read its pieces, so dK/dV summed over their chunks goes home then."""
-        returns = np.ones(self.num_chunks, dtype=bool)
-        returns[:-1] = self.kv_send_chunks()[1:]
-        return returns
+        """bool [M] (read-only): chunk m is the last to read its pieces, so dK/dV summed over their chunks goes
+        home then."""
+        return _kv_return_chunks(self)
 
     # -------- byte volumes per token (one layer, forward), used by Eq. 8 and the exchange plan
     def q_bytes_per_token(self) -> int:
@@ -205,3 +201,21 @@ class HeadLayout:
         """V_g per group token: K and V of the hkv/G kv heads of one class, sent once per step whichever
         shards and chunks read them."""
         return 2 * (self.num_kv_heads // self.num_kv_classes) * self.head_dim * self.elem_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_send_chunks(heads: HeadLayout) -> np.ndarray:
+    pieces = heads.kv_piece_of_class()
+    sends = np.ones(heads.num_chunks, dtype=bool)
+    sends[1:] = pieces[0, 1:] != pieces[0, :-1]
+    assert (np.diff(pieces, axis=1) >= 0).all() and ((pieces[:, 1:] != pieces[:, :-1]) == sends[1:]).all()
+    sends.setflags(write=False)
+    return sends
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_return_chunks(heads: HeadLayout) -> np.ndarray:
+    returns = np.ones(heads.num_chunks, dtype=bool)
+    returns[:-1] = _kv_send_chunks(heads)[1:]
+    returns.setflags(write=False)
+    return returns

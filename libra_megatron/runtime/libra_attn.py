@@ -388,8 +388,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
-        # the relay inverse first (nothing queues ahead of it on the link), then the returns
-        relayed = _relay_back(cx, dkv_arr) if returns[m] else None  # relayed rows' dK|dV into the relay's sums
+        relayed = _relay_back(cx, dkv_arr) if returns[m] else None  # first: nothing queues ahead of it on the link
         returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
         returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view))
         if returns[m]:

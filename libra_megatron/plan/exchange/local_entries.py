@@ -46,8 +46,8 @@ def foreign_rows_in(run_start, run_count, run_foreign, lo, hi) -> np.ndarray:
     before = np.concatenate([[0], np.cumsum(np.where(foreign, count, 0))])
 
     def foreign_before(x: np.ndarray) -> np.ndarray:
-        run = np.clip(np.searchsorted(start, x, side="right") - 1, 0, start.size - 1)
-        inside = np.clip(x - start[run], 0, count[run])
+        run = np.minimum(np.maximum(np.searchsorted(start, x, side="right") - 1, 0), start.size - 1)
+        inside = np.minimum(np.maximum(x - start[run], 0), count[run])  # np.clip: ~40 us a call on small arrays
         return before[run] + np.where(foreign[run], inside, 0)
 
     return foreign_before(hi) - foreign_before(lo)
