@@ -308,13 +308,13 @@ def fit_copies(samples):
 def fitted_model(fits, args, W: int, comm: str = "idle"):
     """``StepTimeModel`` with the fitted rates: the backward kernel's own rate on its BACKWARD_FLOPS_FACTOR x FLOPs
     (``attn_bwd_tflops``: the fitted rate per forward FLOP x the factor), launch and per-entry cost."""
-    from libra_megatron.plan.model import BACKWARD_FLOPS_FACTOR, StepTimeModel
+    from libra_megatron.plan.model import BACKWARD_FLOPS_FACTOR, COPY_KINDS, StepTimeModel
 
     coll, msg, gbps, _ = fits["comm"][comm]
     (fl, fe, fr, _), (bl, be, br, _) = fits["kernels"]["fwd"], fits["kernels"]["bwd"]
     c_launch, c_gbps, _ = fits["copies"]["all"]
     # one fitted rate for every copy kind, as the README's figures were measured (the GPU section fits each apart)
-    kinds = {kind + "_gbps": c_gbps for kind in ("gather", "place", "add")}
+    kinds = {kind + "_gbps": c_gbps for kind in COPY_KINDS}
     fwd = StepTimeModel(args.d, attn_tflops=fr / 1e3, intra_node_gbps=gbps, inter_node_gbps=gbps, gpus_per_node=W,
                         worker_nodes=(0,) * W, kv_relay=False, collective_us=coll, intra_message_us=msg,
                         inter_message_us=msg, kernel_launch_us=fl, kernel_entry_us=fe, copy_gbps=c_gbps, **kinds,

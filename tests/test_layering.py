@@ -270,7 +270,7 @@ def test_default_rates_are_stated_once():
 
 RATE_FIELDS = {"attn_tflops", "intra_node_gbps", "inter_node_gbps", "gpus_per_node", "collective_us",
                "intra_message_us", "inter_message_us", "kernel_launch_us", "kernel_entry_us", "copy_gbps",
-               "gather_gbps", "place_gbps", "add_gbps", "copy_launch_us"}
+               "gather_gbps", "place_gbps", "add_gbps", "widen_gbps", "elementwise_gbps", "copy_launch_us"}
 
 
 def _literal_rate_defaults(tree) -> list:

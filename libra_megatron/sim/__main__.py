@@ -37,7 +37,8 @@ from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
 from ..plan.model import (DEFAULT_ADD_GBPS, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
-                          DEFAULT_COPY_LAUNCH_US, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
+                          DEFAULT_COPY_LAUNCH_US, DEFAULT_ELEMENTWISE_GBPS, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
+                          DEFAULT_WIDEN_GBPS,
                           DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                           DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_LAUNCH_US,
                           CalibrationTable, KernelFit, StepTimeModel, resolve_calibration)
@@ -165,6 +166,8 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
                                 ("--gather-gbps", DEFAULT_GATHER_GBPS, "GB/s of row gathers (read + write)"),
                                 ("--place-gbps", DEFAULT_PLACE_GBPS, "GB/s of index_put_ row placements (read + write)"),
                                 ("--add-gbps", DEFAULT_ADD_GBPS, "GB/s of index_add_ fp32 row sums (read + write)"),
+                                ("--widen-gbps", DEFAULT_WIDEN_GBPS, "GB/s of casts to a wider dtype (bf16 -> fp32)"),
+                                ("--elementwise-gbps", DEFAULT_ELEMENTWISE_GBPS, "GB/s of cat, fill and narrowing casts"),
                                 ("--copy-gbps", DEFAULT_COPY_GBPS, "GB/s of plain copies: an all_to_all's self segment")):
         g.add_argument(flag, type=float, default=default, help=f"{what} (whole-layer model; plan/model/rates.py "
                                                                f"has the source of the default)")
@@ -268,7 +271,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                          intra_message_us=args.intra_message_us, inter_message_us=args.inter_message_us,
                          kernel_launch_us=args.kernel_launch_us, copy_launch_us=args.copy_launch_us,
                          copy_gbps=args.copy_gbps, gather_gbps=args.gather_gbps, place_gbps=args.place_gbps,
-                         add_gbps=args.add_gbps)
+                         add_gbps=args.add_gbps, widen_gbps=args.widen_gbps, elementwise_gbps=args.elementwise_gbps)
     check_jobs(args.jobs)
     return SimSpec(
         seq_len=args.seq_len, global_batch_size=args.gbs, data_parallel_size=args.dp, context_parallel_size=args.cp,

@@ -13,7 +13,10 @@ process, it lists in issue order
               ``batch.bounds`` and ``q.shape[1]``
     Copy      every ``Tensor.index_select`` ("gather": bytes of the selected rows), ``index_put_`` ("place":
               bytes of the values) and ``index_add_`` ("add": bytes of the source) called from a module of
-              ``libra_megatron.runtime``, outside kernel calls
+              ``libra_megatron.runtime``, outside kernel calls and the device-table upload; and the dense
+              kernels there: ``torch.cat`` ("elementwise": bytes of the result), ``Tensor.to`` that changes the
+              dtype ("widen" to a larger element, else "elementwise": mean of bytes read and written) and
+              ``Tensor.new_zeros`` ("elementwise": half the bytes of the result)
 
 and hands them back with ``take()`` (the ops since the last take; exchange numbers restart at 0). Nothing is patched outside the ``with``
 block: the runtime's code path carries none of this. ``tests/runtime/test_op_list.py`` compares the lists with
@@ -33,6 +36,7 @@ from ..plan.model import Copy, Exchange, Kernel, Wait
 __all__ = ["OpRecorder", "record_ops", "causal_pairs"]
 
 _COPY_METHODS = (("index_select", "gather"), ("index_put_", "place"), ("index_add_", "add"))
+_DENSE_METHODS = (("to", "cast"), ("new_zeros", "fill"))
 _RUNTIME = "libra_megatron.runtime"
 
 
@@ -147,6 +151,29 @@ class OpRecorder:
         finally:
             self._quiet -= 1
 
+    def _runtime_call(self) -> bool:
+        return not self._quiet and sys._getframe(2).f_globals.get("__name__", "").startswith(_RUNTIME)
+
+    def dense(self, original, kind: str):
+        """``torch.cat`` / ``Tensor.to`` / ``Tensor.new_zeros`` recorded as one dense kernel (module docstring)."""
+        recorder = self
+
+        def recorded(*args, **kwargs):
+            if not recorder._runtime_call():
+                return original(*args, **kwargs)
+            with recorder.quiet():
+                result = original(*args, **kwargs)
+            if kind == "cat":
+                recorder.ops.append(Copy("elementwise", _nbytes(result)))
+            elif kind == "fill":
+                recorder.ops.append(Copy("elementwise", _nbytes(result) // 2))
+            elif isinstance(result, torch.Tensor) and result is not args[0] and result.dtype != args[0].dtype:
+                src, dst = args[0].element_size(), result.element_size()
+                recorder.ops.append(Copy("widen" if dst > src else "elementwise", result.numel() * (src + dst) // 2))
+            return result
+
+        return recorded
+
     def copy_method(self, original, op: str):
         recorder = self
 
@@ -179,13 +206,23 @@ def record_ops(comms: Mapping[object, str]):
     from ..runtime import libra_attn, routes
 
     recorder = OpRecorder(comms)
-    saved = [(routes, "dist", routes.dist), (libra_attn, "resolve_backend", libra_attn.resolve_backend)]
-    saved += [(torch.Tensor, name, torch.Tensor.__dict__.get(name)) for name, _ in _COPY_METHODS]
-    original_resolve = libra_attn.resolve_backend
+    saved = [(routes, "dist", routes.dist), (libra_attn, "resolve_backend", libra_attn.resolve_backend),
+             (libra_attn, "device_tables", libra_attn.device_tables), (torch, "cat", torch.cat)]
+    saved += [(torch.Tensor, name, torch.Tensor.__dict__.get(name)) for name, _ in _COPY_METHODS + _DENSE_METHODS]
+    original_resolve, original_tables = libra_attn.resolve_backend, libra_attn.device_tables
     routes.dist = _DistProxy(routes.dist, recorder)
     libra_attn.resolve_backend = lambda *a, **k: _RecordedBackend(original_resolve(*a, **k), recorder)
+
+    def quiet_tables(*args, **kwargs):  # the tables' upload at a plan's first use is not the layer's work
+        with recorder.quiet():
+            return original_tables(*args, **kwargs)
+
+    libra_attn.device_tables = quiet_tables
+    torch.cat = recorder.dense(torch.cat, "cat")
     for name, op in _COPY_METHODS:
         setattr(torch.Tensor, name, recorder.copy_method(getattr(torch.Tensor, name), op))
+    for name, kind in _DENSE_METHODS:
+        setattr(torch.Tensor, name, recorder.dense(getattr(torch.Tensor, name), kind))
     try:
         yield recorder
     finally:

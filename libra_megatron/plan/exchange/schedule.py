@@ -2,8 +2,9 @@
 
 Pure numpy. ``rank_layer_ops(rank_plan, save_mode)`` walks the same steps as ``runtime.libra_attn._fwd`` and
 ``_bwd`` over the rank's run tables (``rank_tables``) and lists, in issue order, every ``all_to_all_single``
-(bytes to and from each peer), every wait, every kernel call (entries, rows, causal pairs x heads) and every
-index copy (``plan.model.ops``). ``plan.model.events`` prices the lists of all ranks together;
+(bytes to and from each peer), every wait, every kernel call (entries, rows, causal pairs x heads), every
+index copy and every dense kernel over whole tensors (``torch.cat``, a dtype cast, ``new_zeros``; not the
+log-sum-exp arithmetic of split entries' merge) (``plan.model.ops``). ``plan.model.events`` prices the lists of all ranks together;
 ``tests/runtime/test_op_list.py`` records the runtime's real calls on gloo and asserts they are these lists.
 A change to the runtime's schedule that is not made here too fails that test.
 
@@ -57,6 +58,7 @@ class _Sizes:
         self.k = self.kp * self.d * e  # K or V row
         self.kv = 2 * self.k  # K|V row
         self.dkv_acc = 2 * self.kp * self.d * self.acc  # dK|dV row in the accumulation dtype
+        self.q_acc = self.qp * self.d * self.acc  # an O row in the accumulation dtype (split entries' merge)
 
 
 class _Rank:
@@ -73,6 +75,21 @@ class _Rank:
     # ------------------------------------------------------------------ primitives
     def copy(self, op: str, rows: int, row_bytes: int, tag: str, m: int) -> None:
         self.ops.append(Copy(op, int(rows) * int(row_bytes), tag, m))
+
+    def cat(self, rows: int, row_bytes: int, tag: str, m: int) -> None:
+        """``torch.cat`` of the rows' parts (reads and writes every byte once)."""
+        self.ops.append(Copy("elementwise", int(rows) * int(row_bytes), tag, m))
+
+    def cast(self, rows: int, src_row_bytes: int, dst_row_bytes: int, tag: str, m: int) -> None:
+        """``Tensor.to(dtype)`` of rows (a kernel only when the dtype changes): the mean of bytes read and written;
+        "widen" to a larger element, else "elementwise"."""
+        if src_row_bytes != dst_row_bytes:
+            kind = "widen" if dst_row_bytes > src_row_bytes else "elementwise"
+            self.ops.append(Copy(kind, int(rows) * (int(src_row_bytes) + int(dst_row_bytes)) // 2, tag, m))
+
+    def fill(self, rows: int, row_bytes: int, tag: str, m: int) -> None:
+        """``new_zeros``: writes only, half the bytes of a copy of that size."""
+        self.ops.append(Copy("elementwise", int(rows) * int(row_bytes) // 2, tag, m))
 
     def exchange(self, splits: RouteSplits, row_bytes: int, comm: str, tag: str, m: int) -> Optional[tuple]:
         """``start_exchange``: a pending (comm, seq, splits, tag, m), or None on a one-rank group (no collective)."""
@@ -109,11 +126,13 @@ class _Rank:
         sp = self.t.kv_splits
         self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # K rows
         self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows
+        self.cat(sum(sp.send), self.sz.kv, tag, m)  # K|V rows of the send buffer
         return (self.exchange(sp, self.sz.kv, POOL, tag, m), sp)
 
     def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int):
-        """``_return``: gather the arranged rows (at their dtype), send them at the wire dtype."""
+        """``_return``: gather the arranged rows (at their dtype), cast them to the wire dtype, send them."""
         self.copy("gather", sum(splits.send), row_bytes, tag, m)
+        self.cast(sum(splits.send), row_bytes, wire_bytes, tag, m)
         return (self.exchange(splits, wire_bytes, POOL, tag, m), splits)
 
     def _fills(self, tag: str) -> bool:
@@ -142,10 +161,13 @@ class _Rank:
             if rows:
                 self.copy("place", rows, row_bytes, tag, m)
 
-    def into(self, pending, row_bytes: int, accumulate: bool, tag: str, m: int) -> None:
-        """``PendingExchange.into``: wait, then add or copy the received rows (at the target's dtype)."""
+    def into(self, pending, row_bytes: int, accumulate: bool, tag: str, m: int, wire_bytes: Optional[int] = None) -> None:
+        """``PendingExchange.into``: wait, cast the received rows from the wire dtype (``wire_bytes`` per row; None:
+        the target's) to the target's, then add or copy them."""
         self.wait(pending[0])
-        self.copy("add" if accumulate else "place", sum(pending[1].recv), row_bytes, tag, m)
+        rows = sum(pending[1].recv)
+        self.cast(rows, row_bytes if wire_bytes is None else wire_bytes, row_bytes, tag, m)
+        self.copy("add" if accumulate else "place", rows, row_bytes, tag, m)
 
     def relay(self, m: int, tag: str):
         """``_relay``: gather the relayed rows of the arranged K|V and send them on the relay communicator."""
@@ -179,11 +201,14 @@ class _Rank:
 
     def merge_heads(self, m: int) -> None:
         """``_merge_heads``: read the tails' lse and out rows, write the merged rows back."""
-        n = sum(self.t.heads.q_lens)
-        self.copy("gather", n, self.sz.qp * self.sz.lse, "merge", m)
-        self.copy("gather", n, self.sz.q, "merge", m)
-        self.copy("place", n, self.sz.q, "merge", m)
-        self.copy("place", n, self.sz.qp * self.sz.lse, "merge", m)
+        n, sz = sum(self.t.heads.q_lens), self.sz
+        self.copy("gather", n, sz.qp * sz.lse, "merge", m)
+        self.copy("gather", n, sz.q, "merge", m)
+        self.cast(n, sz.q, sz.q_acc, "merge", m)  # the tail's out, then the head's, in the accumulation dtype
+        self.cast(n, sz.q, sz.q_acc, "merge", m)
+        self.cast(n, sz.q_acc, sz.q, "merge", m)  # the merged out back (the log-sum-exp arithmetic: not priced)
+        self.copy("place", n, sz.q, "merge", m)
+        self.copy("place", n, sz.qp * sz.lse, "merge", m)
 
 
 class _FwdChunk:
@@ -305,7 +330,7 @@ def _bwd_inputs(rk: _Rank, m: int, refetch: bool) -> dict:
     return pending
 
 
-def _bwd_chunk(rk: _Rank, pending: dict, m: int) -> None:
+def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
     """``runtime.libra_attn._bwd_chunk``."""
     t, sz = rk.t, rk.sz
     if "q" in pending:
@@ -319,11 +344,16 @@ def _bwd_chunk(rk: _Rank, pending: dict, m: int) -> None:
     rk.placed(pending["do"], sz.q, "do", m)
     rk.packed_kv(sum(t.k_lens), "kv", m)
     rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
-    rk.copy("add", sum(t.k_lens), sz.dkv_acc, "dkv", m)
+    if fresh:  # the piece's first chunk: its fp32 sums start at zero
+        rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
+    nk = sum(t.k_lens)
+    rk.cat(nk, sz.kv, "dkv", m)  # packed dK|dV
+    rk.cast(nk, sz.kv, sz.dkv_acc, "dkv", m)
+    rk.copy("add", nk, sz.dkv_acc, "dkv", m)
 
 
-def _backward(rk: _Rank, refetch: bool) -> None:
-    """``runtime.libra_attn._bwd``."""
+def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
+    """``runtime.libra_attn._bwd``; ``local_rows`` = rows of the rank's dK|dV sums (local tokens x kv pieces)."""
     heads, t, sz = rk.heads, rk.t, rk.sz
     M = heads.num_chunks
     returns = heads.kv_return_chunks()
@@ -333,15 +363,16 @@ def _backward(rk: _Rank, refetch: bool) -> None:
         if relayed is not None:
             rk.into(relayed, sz.dkv_acc, True, "relay_back", m)
         # received at the wire dtype, cast to the accumulation dtype, then added: the add reads ``a`` bytes
-        return (rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True, "dkv", m)
+        return (rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True, "dkv", m, dkv_wire)
 
+    rk.fill(local_rows, sz.dkv_acc, "dkv", -1)  # the home's fp32 sums
     incoming = _bwd_inputs(rk, 0, refetch)
     outgoing, deferred = [], None
     for m in range(M):
         current = incoming
         if m + 1 < M:
             incoming = _bwd_inputs(rk, m + 1, refetch)
-        _bwd_chunk(rk, current, m)
+        _bwd_chunk(rk, current, m, fresh=m == 0 or bool(returns[m - 1]))
         relayed = None
         if returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
             sp = t.relay_back_splits
@@ -349,17 +380,18 @@ def _backward(rk: _Rank, refetch: bool) -> None:
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
         returning = [dkv_home(*deferred)] if deferred is not None else []
         deferred = None
-        returning.append((rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m))
+        returning.append((rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m, sz.q))
         if returns[m]:
             if relayed is not None and m + 2 < M:  # waited after the next kernel
                 deferred = (relayed, m)
             else:
                 returning.append(dkv_home(relayed, m))
-        for pending, row, acc, tag, mm in outgoing:
-            rk.into(pending, row, acc, tag, mm)
+        for pending, row, acc, tag, mm, wire in outgoing:
+            rk.into(pending, row, acc, tag, mm, wire)
         outgoing = returning
-    for pending, row, acc, tag, mm in outgoing:
-        rk.into(pending, row, acc, tag, mm)
+    for pending, row, acc, tag, mm, wire in outgoing:
+        rk.into(pending, row, acc, tag, mm, wire)
+    rk.cast(local_rows, sz.dkv_acc, sz.kv, "dkv", -1)  # the one cast of the sums
 
 
 def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> Tuple[tuple, tuple]:
@@ -376,7 +408,7 @@ def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -
     fwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
     _forward(fwd, plan)
     bwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
-    _backward(bwd, save_mode == "refetch")
+    _backward(bwd, save_mode == "refetch", plan.local_tokens * plan.heads.kv_pieces_per_token)
     return tuple(fwd.ops), tuple(bwd.ops)
 
 

@@ -24,9 +24,10 @@ x_r = max over classes of max(bytes sent, bytes received) / bandwidth (the other
 Costs of the
 compute stream: a kernel call is a launch plus its FLOPs (4 d x pairs x heads forward, times
 ``BACKWARD_FLOPS_FACTOR`` backward) at ``StepTimeModel.call_seconds``' rate, plus ``kernel_entry_us`` per varlen
-entry (0 on a GPU; the CPU fit's per-entry loop); an index copy is a launch plus
-2 x its bytes (read + write) at its kind's rate (gather, index_put_ "place", index_add_ "add": measured apart,
-``plan.model.rates``); calls with nothing to do cost nothing.
+entry (0 on a GPU; the CPU fit's per-entry loop); a copy is a launch plus
+2 x its bytes (read + write) at its kind's rate (gather, index_put_ "place", index_add_ "add", a widening cast
+"widen", cat / fill / narrowing cast "elementwise": measured apart, ``plan.model.rates``); calls with nothing to do
+cost nothing.
 
 What is not modelled: transfers of two exchanges in flight at once sharing bandwidth (the second waits for
 the first's link time instead), NVLink / InfiniBand contention between pools and with other parallelisms'

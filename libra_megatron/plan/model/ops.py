@@ -14,7 +14,10 @@ coupled); the test records the runtime's real calls (``all_to_all_single``, ``Wo
               ``k_rows`` packed query / key rows, ``pairs`` = query-key pairs x query heads it computes (causal:
               bottom-right aligned; ``causal=False``: every pair), ``heads`` = query heads per row
     Copy      a gather / scatter on the device: ``op`` "gather" (index_select), "place" (index_put_) or "add"
-              (index_add_), ``nbytes`` = bytes of the rows it moves (what it reads, at the source dtype)
+              (index_add_), ``nbytes`` = bytes of the rows it moves (what it reads, at the source dtype); or a
+              dense kernel over whole tensors, ``nbytes`` = the mean of the bytes it reads and writes (a fill:
+              half its bytes): "widen" (``Tensor.to`` a larger dtype, bf16 -> fp32) or "elementwise"
+              (``torch.cat``, ``Tensor.to`` a smaller dtype, ``new_zeros``)
 
 Records are named tuples (immutable, cheap to make: a pool's layer lists tens of thousands of them).
 ``tag`` and ``chunk`` say which tensor an op moves (q, kv, o, do, dq, dkv, q_bwd, kv_bwd, o_bwd) and for which
@@ -28,7 +31,7 @@ from typing import NamedTuple, Tuple, Union
 __all__ = ["Exchange", "Wait", "Kernel", "Copy", "Op", "POOL", "RELAY", "COPY_KINDS", "op_keys"]
 
 POOL, RELAY = "pool", "relay"
-COPY_KINDS = ("gather", "place", "add")  # Copy.op: index_select, index_put_, index_add_
+COPY_KINDS = ("gather", "place", "add", "widen", "elementwise")  # index_select, index_put_, index_add_, .to, cat
 
 
 class Exchange(NamedTuple):

@@ -27,6 +27,12 @@ Latencies and copy rates (the whole-layer model, ``plan.model.events``), with wh
                                890, fp32 index_add_ 1160 GB/s (``tests/plan/test_rates.py`` derives them again
                                from that file). One rate for all three (2900 before) priced index_put_ at 3.3x and
                                index_add_ at 2.5x their speed.
+    DEFAULT_WIDEN_GBPS         dense kernels of the runtime, priced like the copies above from the same profile
+    DEFAULT_ELEMENTWISE_GBPS   and the same op lists (``tests/plan/test_rates.py``): casts to a wider dtype (bf16
+                               -> fp32 dK|dV, torch's unvectorised ``direct_copy`` with a cast: 2210 GB/s) and the
+                               rest (``torch.cat`` of K|V, ``new_zeros`` of the fp32 sums, casts back to bf16:
+                               4820 GB/s, a fill counting half its bytes). Unpriced before: 14% of the profile's
+                               copy time.
     DEFAULT_COPY_GBPS          a plain device copy (the self segment of an ``all_to_all_single``): 4180 GB/s, one
                                H200 copying a 268 MB buffer (``place_copies``, docs/gpu.md).
     DEFAULT_COPY_LAUNCH_US     every copy kernel: 4 us.
@@ -39,7 +45,8 @@ from __future__ import annotations
 __all__ = ["GB", "TFLOP", "DEFAULT_ATTN_TFLOPS", "DEFAULT_INTRA_NODE_GBPS", "DEFAULT_INTER_NODE_GBPS",
            "DEFAULT_GPUS_PER_NODE", "DEFAULT_COLLECTIVE_US", "DEFAULT_INTRA_MESSAGE_US", "DEFAULT_INTER_MESSAGE_US",
            "DEFAULT_KERNEL_LAUNCH_US", "DEFAULT_KERNEL_ENTRY_US", "DEFAULT_COPY_GBPS", "DEFAULT_GATHER_GBPS",
-           "DEFAULT_PLACE_GBPS", "DEFAULT_ADD_GBPS", "DEFAULT_COPY_LAUNCH_US", "BACKWARD_FLOPS_FACTOR", "US"]
+           "DEFAULT_PLACE_GBPS", "DEFAULT_ADD_GBPS", "DEFAULT_WIDEN_GBPS", "DEFAULT_ELEMENTWISE_GBPS",
+           "DEFAULT_COPY_LAUNCH_US", "BACKWARD_FLOPS_FACTOR", "US"]
 
 GB = 1e9
 TFLOP = 1e12
@@ -57,5 +64,7 @@ DEFAULT_COPY_GBPS = 4180.0
 DEFAULT_GATHER_GBPS = 3490.0
 DEFAULT_PLACE_GBPS = 890.0
 DEFAULT_ADD_GBPS = 1160.0
+DEFAULT_WIDEN_GBPS = 2210.0
+DEFAULT_ELEMENTWISE_GBPS = 4820.0
 DEFAULT_COPY_LAUNCH_US = 4.0
 BACKWARD_FLOPS_FACTOR = 2.5

@@ -44,6 +44,7 @@ import numpy as np
 from .calibration import CalibrationTable
 from .kernel_fit import KernelFit
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS, DEFAULT_ADD_GBPS, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS,
+                    DEFAULT_WIDEN_GBPS, DEFAULT_ELEMENTWISE_GBPS,
                     DEFAULT_COPY_LAUNCH_US, DEFAULT_GPUS_PER_NODE, DEFAULT_INTER_MESSAGE_US, DEFAULT_INTER_NODE_GBPS,
                     DEFAULT_INTRA_MESSAGE_US, DEFAULT_INTRA_NODE_GBPS, DEFAULT_KERNEL_ENTRY_US, DEFAULT_KERNEL_LAUNCH_US, GB,
                     TFLOP, US)
@@ -161,8 +162,9 @@ class StepTimeModel:
     ``peak_compute_seconds``, ``balanced_layer_seconds`` and the event model's kernels read it; None = the constant
     ``attn_tflops``.
     collective_us, intra_message_us, inter_message_us, kernel_launch_us, kernel_entry_us, copy_launch_us, gather_gbps,
-    place_gbps, add_gbps, copy_gbps: the whole-layer event model's latencies and copy rates, each index copy kind
-    its own (gather, ``index_put_``, ``index_add_``; copy_gbps: the all_to_all's self segment) (``plan.model.events``; defaults and their sources in
+    place_gbps, add_gbps, widen_gbps, elementwise_gbps, copy_gbps: the whole-layer event model's latencies and copy
+    rates, each copy kind its own (gather, ``index_put_``, ``index_add_``, widening casts, cat / fill / narrowing
+    casts; copy_gbps: the all_to_all's self segment) (``plan.model.events``; defaults and their sources in
     ``plan.model.rates``); attn_bwd_tflops, bwd_kernel_launch_us, bwd_kernel_entry_us: the backward kernel's own
     rate and costs where they differ from the forward's (None: the forward's; a CPU fit measures them). The Pipeliner timeline (``pipeline_seconds``, the placements' search) reads none of them.
     """
@@ -186,6 +188,8 @@ class StepTimeModel:
     gather_gbps: float = DEFAULT_GATHER_GBPS  # Copy op "gather" (index_select)
     place_gbps: float = DEFAULT_PLACE_GBPS  # Copy op "place" (index_put_)
     add_gbps: float = DEFAULT_ADD_GBPS  # Copy op "add" (index_add_ into fp32 sums)
+    widen_gbps: float = DEFAULT_WIDEN_GBPS  # Copy op "widen" (a cast to a larger dtype)
+    elementwise_gbps: float = DEFAULT_ELEMENTWISE_GBPS  # Copy op "elementwise" (cat, fill, a narrowing cast)
     copy_launch_us: float = DEFAULT_COPY_LAUNCH_US
     attn_bwd_tflops: Optional[float] = None  # the backward kernel's rate on its FLOPs; None: attn_tflops
     bwd_kernel_launch_us: Optional[float] = None  # None: kernel_launch_us
@@ -193,7 +197,7 @@ class StepTimeModel:
 
     def __post_init__(self) -> None:
         for name in ("attn_tflops", "intra_node_gbps", "inter_node_gbps", "copy_gbps", "gather_gbps", "place_gbps",
-                     "add_gbps"):
+                     "add_gbps", "widen_gbps", "elementwise_gbps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value!r} "
@@ -316,7 +320,8 @@ class StepTimeModel:
             "inter_message_us": self.inter_message_us, "kernel_launch_us": self.kernel_launch_us,
             "kernel_entry_us": self.kernel_entry_us,
             "copy_gbps": self.copy_gbps, "gather_gbps": self.gather_gbps, "place_gbps": self.place_gbps,
-            "add_gbps": self.add_gbps, "copy_launch_us": self.copy_launch_us,
+            "add_gbps": self.add_gbps, "widen_gbps": self.widen_gbps, "elementwise_gbps": self.elementwise_gbps,
+            "copy_launch_us": self.copy_launch_us,
             "backward_flops_factor": BACKWARD_FLOPS_FACTOR, "attn_bwd_tflops": self.attn_bwd_tflops,
             "step_time": "max over workers of the Pipeliner timeline (plan.timing.pipeline_seconds): one FIFO "
                          "link (D_0 .. D_{M-1} issued at t = 0, R_m after chunk m's remote entries), one compute "
