@@ -404,8 +404,8 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         outgoing = returning
     for pending, target in outgoing:
         pending.into(target)
-    dkv_local = dkv_local.to(dout.dtype).view(-1, 2, kp, heads.head_dim)  # the one cast of the sums
-    return dq_view.view_as(dout), dkv_local[:, 0].reshape(k_shape), dkv_local[:, 1].reshape(k_shape)
+    sums = dkv_local.view(-1, 2, kp, heads.head_dim)  # one cast of the sums, K and V apart: contiguous dk, dv
+    return dq_view.view_as(dout), sums[:, 0].to(dout.dtype).reshape(k_shape), sums[:, 1].to(dout.dtype).reshape(k_shape)
 
 
 # ============================================================================ autograd

@@ -347,6 +347,9 @@ def run_precision_case(rank: int, case: dict, group=None) -> dict:
     ref = reference_forward_backward(*full, case["segs"][p])  # fp64 of the rounded inputs
     base = reference_forward_backward(*full, case["segs"][p], dtype=dtype)
     q, k, v = (shard_tokens(x, layout, c).requires_grad_(True) for x in full[:3])
+    layouts = []  # the operator's own dk, dv (before autograd accumulates them): contiguous
+    for x in (k, v):
+        x.register_hook(lambda g: layouts.append(g.is_contiguous()))
     out = libra_attn_func(q, k, v, rp, group or dist.group.WORLD, backend="torch", save_mode=case["save_mode"])
     out.backward(shard_tokens(full[3], layout, c))
     got = (out.detach(), q.grad, k.grad, v.grad)
@@ -354,7 +357,8 @@ def run_precision_case(rank: int, case: dict, group=None) -> dict:
     base_err = [float((b.double() - r).abs().index_select(0, torch.as_tensor(layout.local_to_global(c))).max())
                 for b, r in zip(base, ref)]
     return dict(err=err, base_err=base_err, max_fragments=int(kv_fragments(rp).max()),
-                dtypes_ok=all(x.dtype == dtype for x in got), relayed=rp.relay_route is not None)
+                dtypes_ok=all(x.dtype == dtype for x in got), relayed=rp.relay_route is not None,
+                dkv_contiguous=layouts == [True, True])
 
 
 def run_precision_cases(rank: int, cases, with_injected_bug: bool) -> dict:

@@ -178,7 +178,7 @@ def test_bf16_and_fp16_meet_flash_attention_rule_with_many_kv_fragments(world_si
         assert max(res["precision"]["ok"][i]["max_fragments"] for res in results) >= case["min_fragments"], case
         for rank, res in enumerate(results):
             r = res["precision"]["ok"][i]
-            assert r["dtypes_ok"], (case["dtype"], rank)
+            assert r["dtypes_ok"] and r["dkv_contiguous"], (case["dtype"], rank)
             for name, err, base in zip(("out", "dq", "dk", "dv"), r["err"], r["base_err"]):
                 assert err <= 2 * base, f"{case['dtype']} P={case['P']} CP={case['cp']} rank {rank} {name}: " \
                                         f"error {err:.3g} > 2 x same-dtype single-device error {base:.3g}"

@@ -391,7 +391,8 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         outgoing = returning
     for pending, row, acc, tag, mm, wire in outgoing:
         rk.into(pending, row, acc, tag, mm, wire)
-    rk.cast(local_rows, sz.dkv_acc, sz.kv, "dkv", -1)  # the one cast of the sums
+    for _ in "KV":  # the one cast of the sums, K and V apart (contiguous dk, dv: no copy in the reshape)
+        rk.cast(local_rows, sz.dkv_acc // 2, sz.kv // 2, "dkv", -1)
 
 
 def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> Tuple[tuple, tuple]:
