@@ -15,15 +15,16 @@ dK|dV sums in the accumulation dtype (``a`` = 4, 8 for fp64), e = ``HeadLayout.e
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..model import POOL, RELAY, Copy, Exchange, Kernel, Wait
 from .runtime_tables import RankTables, RouteSplits, rank_tables
 
-__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES"]
+__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_content_key"]
 
 SAVE_MODES = ("arranged", "refetch")
 
@@ -413,7 +414,42 @@ def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -
     return tuple(fwd.ops), tuple(bwd.ops)
 
 
-def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> LayerOps:
-    """``rank_layer_ops`` of every rank of an ``ExchangePlan``."""
-    per_rank = [rank_layer_ops(plan.for_rank(r), save_mode, relay_comm) for r in range(plan.num_workers)]
+def rank_content_key(plan) -> bytes:
+    """A digest of everything ``rank_layer_ops`` reads from a ``RankPlan`` (its rank, pool size, tokens, heads,
+    lead, routes and varlen entries; not the pool's fingerprint): equal keys, equal op lists. Candidate placements
+    of one pool share most ranks' plans (``plan.tiles.placement._run_dense``), so their op lists are built once."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(repr((plan.rank, plan.num_workers, plan.local_tokens, plan.local_lead, plan.heads)).encode())
+
+    def arrays(*xs) -> None:
+        for x in xs:
+            x = np.ascontiguousarray(x, dtype=np.int64)
+            digest.update(np.int64(x.size).tobytes())
+            digest.update(x.tobytes())
+
+    for route in (plan.q_route, plan.kv_route, plan.relay_route):
+        if route is None:
+            digest.update(b"-")
+            continue
+        arrays(route.send_splits, route.recv_splits, route.send_runs.start, route.send_runs.count,
+               route.recv_runs.start, route.recv_runs.count,
+               [route.send_runs.stride, route.recv_runs.stride, route.source_len, route.target_len, route.accumulate])
+    arrays(plan.cu_seqlens_q, plan.seq_kv_offset, plan.seq_k_len)
+    return digest.digest()
+
+
+def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY,
+              cache: Optional[Dict[tuple, Tuple[tuple, tuple]]] = None) -> LayerOps:
+    """``rank_layer_ops`` of every rank of an ``ExchangePlan``. ``cache``: a dict shared by several plans of one pool
+    (``rank_content_key``): a rank whose plan another candidate already had reuses its op lists."""
+    per_rank = []
+    for r in range(plan.num_workers):
+        rank_plan = plan.for_rank(r)
+        if cache is None:
+            per_rank.append(rank_layer_ops(rank_plan, save_mode, relay_comm))
+            continue
+        key = (rank_content_key(rank_plan), save_mode, relay_comm)
+        if key not in cache:
+            cache[key] = rank_layer_ops(rank_plan, save_mode, relay_comm)
+        per_rank.append(cache[key])
     return LayerOps(tuple(f for f, _ in per_rank), tuple(b for _, b in per_rank))

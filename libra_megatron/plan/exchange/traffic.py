@@ -175,10 +175,11 @@ class LayerTiming:
         return self.forward.seconds + self.backward.seconds
 
 
-def plan_layer_timing(plan, model, save_mode: str = "arranged", relay_comm: str = "relay") -> LayerTiming:
+def plan_layer_timing(plan, model, save_mode: str = "arranged", relay_comm: str = "relay", cache=None) -> LayerTiming:
     """The layer of an ExchangePlan as the runtime runs it: every rank's forward and backward op lists
     (``plan.exchange.schedule``, call for call ``runtime.libra_attn``) priced with the peers coupled
-    (``plan.model.events.price_ops``) on ``model``'s nodes and rates. ``save_mode`` "arranged" | "refetch"."""
-    ops = layer_ops(plan, save_mode, relay_comm)
+    (``plan.model.events.price_ops``) on ``model``'s nodes and rates. ``save_mode`` "arranged" | "refetch";
+    ``cache``: ``layer_ops``' op-list cache, shared by candidate plans of one pool."""
+    ops = layer_ops(plan, save_mode, relay_comm, cache)
     nodes = model.nodes(plan.num_workers)
     return LayerTiming(price_ops(ops.forward, model, nodes), price_ops(ops.backward, model, nodes), save_mode)

@@ -173,21 +173,23 @@ def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     exported = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
     moved = time_moves(tiles, exported, timing, DENSE_TIME_ROUNDS, DENSE_WIDTH)
     priced = []  # (assignment, its plan, its layer seconds) of each distinct candidate
+    ops_cache = {}  # the candidates share most ranks' plans: each distinct rank plan's op lists built once
     for candidate in (start, exported, moved):
         if not any(np.array_equal(candidate, seen) for seen, _, _ in priced):
             plan = build_exchange_plan(tiles, candidate, timing)
-            priced.append((candidate, plan, layer_seconds(plan, timing)))
+            priced.append((candidate, plan, layer_seconds(plan, timing, ops_cache)))
     assignment, plan, _ = min(priced, key=lambda c: c[2])  # min keeps the first of equal times
     if assignment is not start:
         comm = assignment_comm_bytes(tiles, assignment)
     return assignment, cap, fallbacks, comm, plan
 
 
-def layer_seconds(plan, timing: StepTimeModel) -> float:
+def layer_seconds(plan, timing: StepTimeModel, ops_cache=None) -> float:
     """Seconds of an exchange plan's attention layer: the slowest worker's forward plus the slowest worker's
     backward, every rank's op list priced with peers coupled (``plan.exchange.plan_layer_timing``, save mode
-    ARRANGED: what ``save_mode=auto`` keeps whenever it fits), the figure the simulator reports per pool."""
-    layer = plan_layer_timing(plan, timing, "arranged")
+    ARRANGED: what ``save_mode=auto`` keeps whenever it fits), the figure the simulator reports per pool.
+    ``ops_cache``: op lists already built for other candidates of the pool (``plan.exchange.schedule.layer_ops``)."""
+    layer = plan_layer_timing(plan, timing, "arranged", cache=ops_cache)
     return float(layer.forward.seconds.max() + layer.backward.seconds.max())
 
 

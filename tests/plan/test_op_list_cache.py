@@ -1,0 +1,62 @@
+"""The dense placement's op-list cache (``plan.exchange.schedule.rank_content_key``): candidate placements of one
+pool share most ranks' plans, and a rank's op lists are built once per distinct plan. The cache may only skip work:
+equal keys must mean equal op lists, and a cached pricing must equal an uncached one."""
+from __future__ import annotations
+
+import numpy as np
+
+from libra_megatron.config import KvFetch, TilePlacement, TilingPolicy, TokenLayoutKind
+from libra_megatron.plan.exchange import build_exchange_plan, plan_layer_timing
+from libra_megatron.plan.exchange.schedule import layer_ops, rank_content_key, rank_layer_ops
+from libra_megatron.plan.layout import HeadLayout, TokenLayout
+from libra_megatron.plan.model import StepTimeModel
+from libra_megatron.plan.tiles import build_tiles, place_tiles
+from libra_megatron.testing.traces import packed_trace_segments
+
+
+def _candidates():
+    """A real wikipedia pool (2 packed 32K sequences x CP 4, two 4-GPU nodes, relay on): Algorithm 2's placement
+    and the same with one tile moved to another worker, each with its exchange plan."""
+    heads = HeadLayout(16, 2, 64, head_split=2, num_chunks=2, elem_bytes=2)
+    model = StepTimeModel(64, gpus_per_node=4, kv_relay=True)
+    segs = packed_trace_segments(np.random.default_rng(11), 2, 32768, name="wikipedia-flexsp.txt")
+    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 32768, 4), heads, 1024,
+                        tiling=TilingPolicy.ADAPTIVE, tau=0.03, kv_fetch=KvFetch.PREFIX)
+    start = np.asarray(place_tiles(tiles, 0.03, TilePlacement.ALG2).assignment)
+    moved = start.copy()
+    moved[0] = (moved[0] + 1) % tiles.num_workers
+    return model, [build_exchange_plan(tiles, a, model) for a in (start, moved)]
+
+
+def test_equal_keys_mean_equal_op_lists_and_the_cache_changes_no_price():
+    model, plans = _candidates()
+    W = plans[0].num_workers
+    keyed = {}
+    for plan in plans:
+        for r in range(W):
+            rank_plan = plan.for_rank(r)
+            ops = rank_layer_ops(rank_plan)
+            keyed.setdefault(rank_content_key(rank_plan), set()).add(ops)
+    assert all(len(lists) == 1 for lists in keyed.values())  # a key never stands for two different op lists
+    assert W < len(keyed) < 2 * W  # the moved tile changed some ranks' plans, not all of them
+    cache = {}
+    for plan in plans:
+        cached, plain = layer_ops(plan, cache=cache), layer_ops(plan)
+        assert cached == plain
+        with_cache = plan_layer_timing(plan, model, cache={})
+        without = plan_layer_timing(plan, model)
+        for phase in ("forward", "backward"):
+            assert np.array_equal(getattr(with_cache, phase).seconds, getattr(without, phase).seconds)
+    assert len(cache) == len(keyed)  # every distinct rank plan built once over both candidates
+
+
+def test_the_key_sees_each_field_the_op_lists_read():
+    import dataclasses
+
+    _, plans = _candidates()
+    rank_plan = plans[0].for_rank(1)
+    base = rank_content_key(rank_plan)
+    for change in (dict(local_lead=rank_plan.local_lead + 1), dict(rank=0), dict(local_tokens=rank_plan.local_tokens + 1),
+                   dict(seq_k_len=rank_plan.seq_k_len + 1), dict(kv_route=rank_plan.q_route)):
+        assert rank_content_key(dataclasses.replace(rank_plan, **change)) != base, change
+    assert rank_content_key(dataclasses.replace(rank_plan, fingerprint="another pool")) == base  # not read
