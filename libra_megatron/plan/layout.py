@@ -188,6 +188,12 @@ class HeadLayout:
         home then."""
         return _kv_return_chunks(self)
 
+    def relay_inverse_deferred(self) -> np.ndarray:
+        """bool [M] (read-only): chunk m returns dK/dV and a kernel follows the next chunk's (m + 2 < M), so a relaying
+        plan's relay inverse of chunk m is waited after chunk m+1's kernel (``runtime.libra_attn._bwd``; the schedule
+        and ``plan.model.memory.deferred_relay_bytes`` read the same rule)."""
+        return _relay_inverse_deferred(self)
+
     # -------- byte volumes per token (one layer, forward), used by Eq. 8 and the exchange plan
     def q_bytes_per_token(self) -> int:
         """V_Q per tile token: hq/H heads * d * elem."""
@@ -219,3 +225,10 @@ def _kv_return_chunks(heads: HeadLayout) -> np.ndarray:
     returns[:-1] = _kv_send_chunks(heads)[1:]
     returns.setflags(write=False)
     return returns
+
+
+@functools.lru_cache(maxsize=256)
+def _relay_inverse_deferred(heads: HeadLayout) -> np.ndarray:
+    deferred = _kv_return_chunks(heads) & (np.arange(heads.num_chunks) + 2 < heads.num_chunks)
+    deferred.setflags(write=False)
+    return deferred

@@ -392,7 +392,7 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
         returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
         returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view))
         if returns[m]:
-            if relayed is not None and m + 2 < heads.num_chunks:  # home-bound after kernel m+1, beside kernel m+2
+            if relayed is not None and heads.relay_inverse_deferred()[m]:  # home after kernel m+1, beside m+2
                 deferred = (relayed, dkv_arr, m)
                 if cx.stats is not None:
                     cx.stats.kept_for_relay(dkv_arr)

@@ -152,6 +152,7 @@ class OpRecorder:
             self._quiet -= 1
 
     def _runtime_call(self) -> bool:
+        """Whether the patched method's caller (two frames up) is a module of the runtime, outside quiet work."""
         return not self._quiet and sys._getframe(2).f_globals.get("__name__", "").startswith(_RUNTIME)
 
     def dense(self, original, kind: str):
@@ -178,8 +179,7 @@ class OpRecorder:
         recorder = self
 
         def recorded(tensor, *args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if recorder._quiet or not caller.startswith(_RUNTIME):
+            if not recorder._runtime_call():
                 return original(tensor, *args, **kwargs)
             with recorder.quiet():
                 result = original(tensor, *args, **kwargs)

@@ -383,7 +383,7 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         deferred = None
         returning.append((rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m, sz.q))
         if returns[m]:
-            if relayed is not None and m + 2 < M:  # waited after the next kernel
+            if relayed is not None and heads.relay_inverse_deferred()[m]:  # waited after the next kernel
                 deferred = (relayed, m)
             else:
                 returning.append(dkv_home(relayed, m))

@@ -74,8 +74,8 @@ class OpCosts:
         self.fit = model.calibration if isinstance(model.calibration, KernelFit) else None
         self.bwd_scale = BACKWARD_FLOPS_FACTOR * (1.0 if model.attn_bwd_tflops is None
                                                   else model.attn_tflops / model.attn_bwd_tflops)
-        self.launch, self.entry = model.kernel_launch_us * US, model.kernel_entry_us * US
-        self.bwd_launch = self.launch if model.bwd_kernel_launch_us is None else model.bwd_kernel_launch_us * US
+        self.launch, self.entry = model.launch_seconds("fwd"), model.kernel_entry_us * US
+        self.bwd_launch = model.launch_seconds("bwd")  # both unused under a kernel fit (its call includes them)
         self.bwd_entry = self.entry if model.bwd_kernel_entry_us is None else model.bwd_kernel_entry_us * US
         self.copy_launch = model.copy_launch_us * US
         self.copy_per_byte = {kind: 2.0 / (getattr(model, kind + "_gbps") * GB) for kind in COPY_KINDS}

@@ -69,9 +69,7 @@ def deferred_relay_bytes(exchange, heads) -> np.ndarray:
     its relay inverse travels (module docstring); zeros when the plan does not relay or no chunk m < M - 2 returns
     dK|dV (the runtime waits every relay inverse at once then)."""
     _, nkv = hosted_units(exchange)
-    returns = heads.kv_return_chunks()
-    defers = bool(returns[: max(0, heads.num_chunks - 2)].any())  # a return with a kernel after the next one
-    if getattr(exchange, "relay_units", None) is None or not defers:
+    if getattr(exchange, "relay_units", None) is None or not heads.relay_inverse_deferred().any():
         return np.zeros_like(np.asarray(nkv, dtype=np.int64))
     acc = 8 if heads.elem_bytes == 8 else 4
     return np.asarray(nkv, dtype=np.int64) * 2 * heads.kv_piece * heads.head_dim * acc
