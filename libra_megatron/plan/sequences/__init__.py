@@ -4,6 +4,8 @@
     lanes       sync-aware VRSP: balance what the step waits for (lane totals; pipelines at PP > 1)
     sync        the synchronisation model: lanes, EP ties, Megatron's pipeline schedules, DP at step end
     placement   ``place_sequences`` (the one entry point) and ``assign_to_ranks``
+    priced_lanes  PP > 1 study: each lane's grouping and microbatch order by priced pool seconds (not yet run by
+                the sampler: it needs the planner's look-ahead)
 
 Every order is a permutation of the step's sequences: the sample multiset is kept by construction.
 Imports ``plan.model`` only.
