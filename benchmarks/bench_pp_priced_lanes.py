@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from libra_megatron.plan.sequences.priced_lanes import assemble_order, choose_lane, lane_groupings  # noqa: E402
 from libra_megatron.sim import runner  # noqa: E402
 from libra_megatron.sim.__main__ import _load_traces, parse_args, spec_from_args  # noqa: E402
-from libra_megatron.sim.sync import score_orders  # noqa: E402
 
 ORDERS = ("contiguous", "alg1", "placed", "priced_lanes")
 LABELS = {"contiguous": "sampler", "alg1": "alg1", "placed": "shipped", "priced_lanes": "priced lanes"}
@@ -83,12 +82,7 @@ def main(argv=None) -> None:
         orders = runner._orders(win.flops, cand.pool_size, spec)
         orders["priced_lanes"], like_lanes = priced_lanes_order(win, spec, ev, cand, layout)
         assert np.array_equal(np.sort(orders["priced_lanes"]), np.arange(win.flops.size)), "not a permutation"
-        runs = {n: runner._run_order(ev, win.ids, o, cand.pool_size, cand.knobs, spec.tile_placement, spec).pools
-                for n, o in orders.items()}
-        fwd_lb = win.forward_lower_bound_step
-        timings = score_orders({n: [p.fwd_seconds for p in r] for n, r in runs.items()}, fwd_lb, layout,
-                               {n: [p.bwd_seconds for p in r] for n, r in runs.items()},
-                               win.lower_bound_step - fwd_lb)
+        timings, _ = runner.sync_timings(cand, ev, win, orders, spec)
         for name in totals:
             totals[name] += timings[name].seconds
         ratios = "  ".join(f"{LABELS[n]} {timings[n].seconds / timings['lower_bound'].seconds:.3f}" for n in ORDERS)

@@ -257,10 +257,11 @@ def _record_candidate(cand: Candidate, ev: PoolEvaluator, win: _Window,
     _record_sync(cand, ev, win, orders, spec)
 
 
-def _record_sync(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
-    """Score every order under the sync model (sim/sync.py), each with the candidate's tile placement: the whole
-    layer (every pool's priced forward and backward), and the forward-only figures (Pipeliner forward, backward
-    = the layout's ``backward_ratio`` x forward, as before)."""
+def sync_timings(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[str, np.ndarray], spec: SimSpec):
+    """(whole layer, forward-only) ``StepTiming`` of every order of ``orders`` (any names) and of the lower bound
+    under the sync model (sim/sync.py), each order with the candidate's tile placement: the whole layer prices
+    every pool's forward and backward; the forward-only figures take the Pipeliner forward and backward = the
+    layout's ``backward_ratio`` x forward, as before."""
     layout = spec.sync_layout(cand.pool_size)
     runs = {name: _run_order(ev, win.ids, order, cand.pool_size, cand.knobs, spec.tile_placement, spec).pools
             for name, order in orders.items()}
@@ -268,7 +269,14 @@ def _record_sync(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[
     timings = score_orders({n: [p.fwd_seconds for p in r] for n, r in runs.items()}, fwd_lb, layout,
                            {n: [p.bwd_seconds for p in r] for n, r in runs.items()}, win.lower_bound_step - fwd_lb)
     forward = score_orders({n: [p.seconds for p in r] for n, r in runs.items()}, fwd_lb, layout)
-    cand.sync.record(win.index, timings, timings["lower_bound"], win.flops, orders, layout, forward)
+    return timings, forward
+
+
+def _record_sync(cand: Candidate, ev: PoolEvaluator, win: _Window, orders: Dict[str, np.ndarray], spec: SimSpec) -> None:
+    """Score every order under the sync model (``sync_timings``) into the candidate's accumulators."""
+    timings, forward = sync_timings(cand, ev, win, orders, spec)
+    cand.sync.record(win.index, timings, timings["lower_bound"], win.flops, orders, spec.sync_layout(cand.pool_size),
+                     forward)
 
 
 def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) -> None:

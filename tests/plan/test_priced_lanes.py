@@ -69,6 +69,8 @@ def test_bad_input_is_a_clear_error():
         lane_groupings(np.ones(7), layout)
     with pytest.raises(ValueError, match="GA = 2"):
         choose_lane({"like": (np.ones(3), np.ones(3))}, layout)
+    with pytest.raises(ValueError, match="unknown groupings \\['typo'\\]"):
+        choose_lane({"like": (np.ones(2), np.ones(2)), "typo": (np.ones(2), np.ones(2))}, layout)
     with pytest.raises(ValueError, match="no grouping"):
         choose_lane({}, layout)
     with pytest.raises(ValueError, match="lanes chosen"):

@@ -38,7 +38,8 @@ import numpy as np
 from .vrsp import place_alg1, place_refined, pool_loads
 from .sync import SyncLayout, pool_step_timing, run_lane_pipelines
 
-__all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds"]
+__all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds", "lane_members", "like_with_like",
+           "microbatch_orders"]
 
 
 def lane_loads(flops, order, data_parallel_size: int, pool_size: int) -> np.ndarray:
@@ -73,24 +74,42 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
     return by_lanes
 
 
+def lane_members(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
+    """int64 [lanes, GA*P]: the window positions of every lane, as cut at PP = 1 (Algorithm 1 into groups of
+    GA*P, then heaviest/lightest swaps on F)."""
+    return _balanced_groups(flops, layout.num_microbatches * layout.pool_size, _LANE_SWAPS_PER_GROUP)
+
+
+def like_with_like(flops: np.ndarray, members: np.ndarray, pool_size: int) -> np.ndarray:
+    """int64 [GA, P]: one lane's ``members`` cut like with like (sorted by F, decreasing; consecutive groups of P)."""
+    return members[np.argsort(-flops[members], kind="stable")].reshape(-1, pool_size)
+
+
+def microbatch_orders(seconds: np.ndarray) -> list:
+    """The candidate microbatch orders along axis 0 of ``seconds`` [GA, ...] (each column a lane): as placed,
+    lightest first, heaviest first, lightest at both ends (heaviest in the middle); int64 arrays of its shape."""
+    seconds = np.asarray(seconds)
+    ga = seconds.shape[0]
+    rising = np.argsort(seconds, axis=0, kind="stable")
+    ends = np.empty_like(rising)
+    ends[: (ga + 1) // 2], ends[(ga + 1) // 2:] = rising[0::2], rising[1::2][::-1]
+    placed = np.broadcast_to(np.arange(ga).reshape((ga,) + (1,) * (seconds.ndim - 1)), seconds.shape).copy()
+    return [placed, rising, rising[::-1], ends]
+
+
 def _lanes_then_microbatches(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
     ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    lane_members = _balanced_groups(flops, ga * pool, _LANE_SWAPS_PER_GROUP)  # [lanes, GA*P]
     grid = np.empty((ga, lanes, pool), dtype=np.int64)
-    for lane, members in enumerate(lane_members):  # at PP=1 only lane totals count: like with like inside
-        grid[:, lane, :] = members[np.argsort(-flops[members], kind="stable")].reshape(ga, pool)
+    for lane, members in enumerate(lane_members(flops, layout)):  # at PP=1 only lane totals count: like with like
+        grid[:, lane, :] = like_with_like(flops, members, pool)
     return grid.reshape(-1)
 
 
 def _order_microbatches(flops: np.ndarray, grid: np.ndarray, layout: SyncLayout) -> np.ndarray:
-    """Per lane, the microbatch order (as placed, lightest first, heaviest first, or light at both ends) that
-    gives the shortest pipeline under the FLOPs proxy; the first of them on ties. ``grid`` [GA, lanes, P]."""
+    """Per lane, the microbatch order (``microbatch_orders``) that gives the shortest pipeline under the FLOPs
+    proxy; the first of them on ties. ``grid`` [GA, lanes, P]."""
     loads = flops[grid].sum(axis=2)  # [GA, lanes]
-    ga = loads.shape[0]
-    rising = np.argsort(loads, axis=0, kind="stable")
-    ends = np.empty_like(rising)  # lightest at both ends, heaviest in the middle
-    ends[: (ga + 1) // 2], ends[(ga + 1) // 2:] = rising[0::2], rising[1::2][::-1]
-    orders = [np.repeat(np.arange(ga)[:, None], loads.shape[1], axis=1), rising, rising[::-1], ends]
+    orders = microbatch_orders(loads)
     columns = np.concatenate([np.take_along_axis(loads, o, axis=0) for o in orders], axis=1)  # one simulation
     spans = run_lane_pipelines(columns, layout).makespan.reshape(len(orders), -1)
     best = spans.argmin(axis=0)  # [lanes]

@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .lanes import _balanced_groups, _LANE_SWAPS_PER_GROUP
+from .lanes import lane_members, like_with_like, microbatch_orders
 from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1
 
@@ -35,23 +35,11 @@ def lane_groupings(flops, layout: SyncLayout) -> List[Dict[str, np.ndarray]]:
     ga, pool = layout.num_microbatches, layout.pool_size
     if flops.size != ga * layout.data_parallel_size:
         raise ValueError(f"the window has {flops.size} sequences but GA*DP = {ga}*{layout.data_parallel_size}")
-    members = _balanced_groups(flops, ga * pool, _LANE_SWAPS_PER_GROUP)  # [lanes, GA*P]
     out = []
-    for lane in members:
-        like = lane[np.argsort(-flops[lane], kind="stable")].reshape(ga, pool)
-        alg1 = lane[place_alg1(flops[lane], pool)].reshape(ga, pool)
-        out.append({"like": like, "alg1": alg1})
+    for lane in lane_members(flops, layout):
+        out.append({"like": like_with_like(flops, lane, pool),
+                    "alg1": lane[place_alg1(flops[lane], pool)].reshape(ga, pool)})
     return out
-
-
-def microbatch_orders(seconds: np.ndarray) -> List[np.ndarray]:
-    """The candidate microbatch orders of one lane from its pools' total seconds [GA]: as cut, lightest first,
-    heaviest first, lightest at both ends (heaviest in the middle)."""
-    ga = seconds.size
-    rising = np.argsort(seconds, kind="stable")
-    ends = np.empty_like(rising)
-    ends[: (ga + 1) // 2], ends[(ga + 1) // 2:] = rising[0::2], rising[1::2][::-1]
-    return [np.arange(ga), rising, rising[::-1], ends]
 
 
 def choose_lane(priced: Dict[str, Tuple[np.ndarray, np.ndarray]], layout: SyncLayout) -> Tuple[str, np.ndarray, float]:
@@ -59,10 +47,11 @@ def choose_lane(priced: Dict[str, Tuple[np.ndarray, np.ndarray]], layout: SyncLa
     seconds [GA] of that grouping's pools (one attention layer, the pool's slowest worker per phase). Every
     grouping's every ``microbatch_orders`` candidate runs through the lane's pipeline (``run_lane_pipelines``);
     the shortest wins, ties keeping the earlier grouping (``GROUPINGS`` order) and order."""
+    unknown = sorted(set(priced) - set(GROUPINGS))
+    if unknown:
+        raise ValueError(f"unknown groupings {unknown}: priced lanes compares {GROUPINGS}")
     best = None
-    for name in GROUPINGS:
-        if name not in priced:
-            continue
+    for name in (g for g in GROUPINGS if g in priced):
         fwd, bwd = (np.asarray(x, dtype=np.float64).reshape(-1) for x in priced[name])
         if fwd.size != layout.num_microbatches or bwd.size != fwd.size:
             raise ValueError(f"grouping {name!r}: {fwd.size} forward / {bwd.size} backward seconds for "
