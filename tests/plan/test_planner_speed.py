@@ -110,3 +110,107 @@ def test_alg2_loop_equals_the_loop_before_on_real_pools(shipped_pools):
         got, expected = place_alg2(tiles, 0.03), _alg2_reference.place_alg2(tiles, 0.03)
         np.testing.assert_array_equal(got[0], expected[0])
         assert got[1:] == expected[1:]
+
+
+# ---- the timeline prices each distinct exchange once; pricing pauses the cyclic collector ----------------------
+
+def _uncached_timeline(monkeypatch):
+    """``plan.model.events`` as before the per-timeline caches: every exchange's links priced, every row converted."""
+    from libra_megatron.plan.model import events
+
+    def link_seconds(self, send):
+        return (events.message_done_seconds(send, self.nodes, self.model),
+                events.exchange_link_seconds(send, self.nodes, self.model))
+
+    monkeypatch.setattr(events._Timeline, "link_seconds", link_seconds)
+    monkeypatch.setattr(events._Collective, "row", lambda self, sizes: sizes)
+
+
+def test_the_timeline_prices_each_distinct_exchange_once_and_the_same(monkeypatch):
+    from libra_megatron.plan.exchange.schedule import layer_ops
+    from libra_megatron.plan.model import Exchange, events, price_ops
+
+    from .test_op_list_cache import _candidates
+
+    model, plans = _candidates()
+    lists = [getattr(layer_ops(plan), phase) for plan in plans for phase in ("forward", "backward")]
+    calls, real = [], events.message_done_seconds
+    monkeypatch.setattr(events, "message_done_seconds", lambda send, *a: calls.append(send.tobytes()) or real(send, *a))
+    fast, priced, exchanges = [], 0, 0
+    for ops in lists:
+        calls.clear()
+        fast.append(price_ops(ops, model))
+        assert len(calls) == len(set(calls))  # a matrix priced once per phase
+        priced += len(calls)
+        exchanges += sum(isinstance(op, Exchange) for op in ops[0])
+    assert 0 < priced < exchanges  # the Q route's exchanges (Q, O, dO, dQ) repeat one matrix
+    monkeypatch.undo()
+    _uncached_timeline(monkeypatch)
+    for ops, got in zip(lists, fast):
+        slow = price_ops(ops, model)
+        for field in ("seconds", "compute", "link"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(slow, field))
+
+
+def test_paused_gc_pauses_in_the_main_thread_only_and_keeps_a_collector_that_was_off():
+    import gc
+    import threading
+
+    from libra_megatron.plan.gc_pause import paused_gc
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with paused_gc():
+            assert not gc.isenabled()
+            with paused_gc():  # nested: still off, and the inner exit does not turn it on
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        seen = []
+
+        def other():  # a planner thread beside training: the interpreter's switch is not its to flip
+            with paused_gc():
+                seen.append(gc.isenabled())
+                gc.disable()  # what Megatron's --manual-gc does meanwhile
+            seen.append(gc.isenabled())
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(10)
+        assert seen == [True, False]
+        with paused_gc():  # off on entry (--manual-gc): a block must not turn it on
+            pass
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_pricing_and_the_dense_placement_run_with_the_collector_paused(monkeypatch):
+    import gc
+
+    from libra_megatron.config import KvFetch, TilingPolicy, TokenLayoutKind
+    from libra_megatron.plan.exchange import plan_layer_timing, traffic
+    from libra_megatron.plan.layout import TokenLayout
+    from libra_megatron.plan.model import StepTimeModel
+    from libra_megatron.plan.tiles import build_tiles, placement
+    from libra_megatron.testing.traces import packed_trace_segments
+
+    heads = HeadLayout(16, 2, 64, head_split=2, num_chunks=2, elem_bytes=2)
+    model = StepTimeModel(64, gpus_per_node=4)
+    segs = packed_trace_segments(np.random.default_rng(5), 2, 16384, name="wikipedia-flexsp.txt")
+    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 16384, 2), heads, 1024,
+                        tiling=TilingPolicy.ADAPTIVE, tau=0.03, kv_fetch=KvFetch.PREFIX)
+    seen, real_ops, real_alg2 = [], traffic.price_ops, placement.place_alg2
+    monkeypatch.setattr(traffic, "price_ops", lambda *a, **k: seen.append(gc.isenabled()) or real_ops(*a, **k))
+    monkeypatch.setattr(placement, "place_alg2", lambda *a, **k: seen.append(gc.isenabled()) or real_alg2(*a, **k))
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        result = placement.place_tiles(tiles, 0.03, "dense", timing=model)
+        assert len(seen) >= 3 and not any(seen) and gc.isenabled()
+        seen.clear()
+        plan_layer_timing(result.exchange, model)
+        assert seen == [False, False] and gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -153,3 +153,28 @@ def test_index_runs_expand_like_concatenated_ranges():
         np.testing.assert_array_equal(runs.expand(), np.array(want, dtype=np.int64))
         assert runs.num_indices == len(want)
         assert runs.index_range() == ((min(want), max(want) + 1) if want else (0, 0))
+
+
+@pytest.mark.parametrize("hq, hkv, H, M", HEADS)
+@pytest.mark.parametrize("kv_fetch, relay", [("group", False), ("prefix", False), ("prefix", True)])
+def test_rank_sizes_are_the_size_fields_of_the_rank_tables(hq, hkv, H, M, kv_fetch, relay):
+    """What the op lists read (``rank_sizes``, issue 25) is field for field what the runtime's tables hold."""
+    from libra_megatron.plan.exchange import RankSizes, rank_sizes
+
+    _, plan = _plan(hq, hkv, H, M, kv_fetch, relay=relay)
+    fields = [f for f in RankSizes.__dataclass_fields__]
+    seen_sets = set()
+    for w in range(plan.num_workers):
+        rp = plan.for_rank(w)
+        sizes, tables = rank_sizes(rp), build_rank_tables(rp)
+        for name in fields:
+            got, want = getattr(sizes, name), getattr(tables, name)
+            if name in ("local", "remote", "heads"):
+                assert (got is None) == (want is None), name
+                if want is not None:
+                    seen_sets.add(name)
+                    assert (got.q_lens, got.k_lens) == (want.q_lens, want.k_lens), name
+            else:
+                assert got == want, name
+        assert (sizes.relay_splits is None) == (tables.relay_send is None) == (not relay)
+    assert "remote" in seen_sets or plan.num_workers == 1

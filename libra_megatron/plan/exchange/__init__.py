@@ -8,7 +8,8 @@
     local_entries   which varlen entries need no received data (the Pipeliner's local-first split)
     traffic         per-worker, per-chunk bytes of a plan, and their seconds under ``plan.model``
     schedule        every rank's op list of a layer, forward and backward, as the runtime issues it
-    runtime_tables  ``rank_tables``: a rank's plan as index runs for the runtime (cached)
+    runtime_tables  ``rank_tables``: a rank's plan as index runs for the runtime (cached); ``rank_sizes``: its
+                    split sizes and varlen lengths alone (what the op lists read)
     validate        ``validate_plan``: every structural invariant, checked before any collective
 
 Imports ``plan.model``, ``plan.layout``, ``plan.errors`` and ``config``; never ``plan.tiles`` or ``plan.sequences``.
@@ -17,7 +18,7 @@ from .builder import build_exchange_plan
 from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, home_runs_in_prefix
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
 from .relay import RELAY_SENDER_CUTS
-from .runtime_tables import RankTables, RouteSplits, RowRuns, build_rank_tables, rank_tables
+from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables
 from .schedule import SAVE_MODES, LayerOps, entry_pairs, layer_ops, rank_layer_ops
 from .traffic import (LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
                       traffic_of_units)
@@ -25,7 +26,8 @@ from .validate import validate_plan
 
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
-           "RELAY_SENDER_CUTS", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_tables",
+           "RELAY_SENDER_CUTS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
+           "rank_tables",
            "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "rank_layer_ops", "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",
            "validate_plan"]

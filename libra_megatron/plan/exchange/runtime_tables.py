@@ -39,7 +39,7 @@ from ..errors import PlanError
 from .records import IndexRuns, RankPlan, Route
 from .local_entries import REMOTE, SPLIT, rank_entry_kinds
 
-__all__ = ["RankTables", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables"]
+__all__ = ["RankTables", "RankSizes", "RouteSplits", "RowRuns", "rank_tables", "build_rank_tables", "rank_sizes"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -221,6 +221,36 @@ class RankTables:
         return sum(t.start.nbytes + t.count.nbytes for t in self.distinct_runs()) + self._offsets_nbytes()
 
 
+@dataclass(frozen=True, eq=False)
+class EntryLens:
+    """An ``EntrySet``'s per-entry lengths only (``rank_sizes``)."""
+
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+
+    @staticmethod
+    def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray) -> "EntryLens":
+        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()))
+
+
+@dataclass(frozen=True, eq=False)
+class RankSizes:
+    """The fields of ``RankTables`` that hold sizes, not rows (``rank_sizes``): same names, same values."""
+
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+    q_splits: RouteSplits
+    kv_splits: RouteSplits
+    q_back_splits: RouteSplits
+    kv_back_splits: RouteSplits
+    kv_target_len: int
+    local: Optional[EntryLens] = None
+    remote: Optional[EntryLens] = None
+    heads: Optional[EntryLens] = None
+    relay_splits: Optional[RouteSplits] = None
+    relay_back_splits: Optional[RouteSplits] = None
+
+
 def _frozen(x) -> np.ndarray:
     out = np.array(x, dtype=np.int64)
     out.setflags(write=False)
@@ -298,26 +328,56 @@ def _relay_tables(plan: RankPlan) -> dict:
     rt = plan.relay_route
     if rt is None:
         return {}
-    splits = RouteSplits.of(rt, plan.rank)
     return dict(relay_send=RowRuns.of(rt.send_runs, rt.source_len), relay_recv=RowRuns.of(rt.recv_runs, rt.target_len),
-                relay_splits=splits, relay_back_splits=splits.inverse(plan.rank))
+                **_relay_splits(plan))
+
+
+def _relay_splits(plan: RankPlan) -> dict:
+    """The relay route's splits and their inverse, or {} without a relay."""
+    if plan.relay_route is None:
+        return {}
+    splits = RouteSplits.of(plan.relay_route, plan.rank)
+    return dict(relay_splits=splits, relay_back_splits=splits.inverse(plan.rank))
+
+
+def _entry_parts(plan: RankPlan, k_lens: np.ndarray):
+    """(keep, key start, key lengths) over all entries of the local, remote and heads sets of ``plan``
+    (``plan.exchange.local_entries``), heads None when no entry is split; None when no entry is local or split."""
+    kinds, tail = rank_entry_kinds(plan)
+    if not (kinds != REMOTE).any():
+        return None
+    off = np.asarray(plan.seq_kv_offset, dtype=np.int64)
+    end = off + k_lens
+    split = kinds == SPLIT
+    local_start = np.where(split, tail, off)  # a split entry's local keys: its self-sourced tail
+    heads = (split, off, tail - off) if split.any() else None
+    return (kinds != REMOTE, local_start, end - local_start), (kinds == REMOTE, off, k_lens), heads
 
 
 def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):
-    """(local, remote, heads) ``EntrySet``s of ``plan`` (``plan.exchange.local_entries``), or Nones when no entry is local
-    or split; heads is None when no entry is split."""
-    kinds, tail = rank_entry_kinds(plan)
-    if not (kinds != REMOTE).any():
+    """(local, remote, heads) ``EntrySet``s of ``plan`` (``_entry_parts``), or Nones when no entry is local or
+    split; heads is None when no entry is split."""
+    parts = _entry_parts(plan, k_lens)
+    if parts is None:
         return None, None, None
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    off = np.asarray(plan.seq_kv_offset, dtype=np.int64)
-    end = off + k_lens
     bounds = (int(plan.q_route.target_len), int(plan.kv_route.target_len))
-    split = kinds == SPLIT
-    local_start = np.where(split, tail, off)  # a split entry's local keys: its self-sourced tail
-    local = EntrySet.of(kinds != REMOTE, cu, local_start, end - local_start, *bounds)
-    heads = EntrySet.of(split, cu, off, tail - off, *bounds) if split.any() else None
-    return local, EntrySet.of(kinds == REMOTE, cu, off, k_lens, *bounds), heads
+    return tuple(None if part is None else EntrySet.of(part[0], cu, part[1], part[2], *bounds) for part in parts)
+
+
+def rank_sizes(plan: RankPlan) -> "RankSizes":
+    """The split sizes and varlen lengths of ``plan``'s ``RankTables``, without their row tables: what the op lists of
+    ``plan.exchange.schedule`` read (a pool's candidate placements are priced rank by rank, issue 25)."""
+    r = plan.rank
+    q_lens = np.diff(np.asarray(plan.cu_seqlens_q, dtype=np.int64))
+    k_lens = np.asarray(plan.seq_k_len, dtype=np.int64)
+    q_splits, kv_splits = RouteSplits.of(plan.q_route, r), RouteSplits.of(plan.kv_route, r)
+    parts = _entry_parts(plan, k_lens) or (None, None, None)
+    local, remote, heads = (None if part is None else EntryLens.of(q_lens, part[0], part[2]) for part in parts)
+    return RankSizes(q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()), q_splits=q_splits,
+                     kv_splits=kv_splits, q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
+                     kv_target_len=int(plan.kv_route.target_len), local=local, remote=remote, heads=heads,
+                     **_relay_splits(plan))
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

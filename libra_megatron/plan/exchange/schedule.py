@@ -1,7 +1,7 @@
 """The op lists of one pool's attention layer, forward and backward, per rank: ``runtime.libra_attn`` call for call.
 
 Pure numpy. ``rank_layer_ops(rank_plan, save_mode)`` walks the same steps as ``runtime.libra_attn._fwd`` and
-``_bwd`` over the rank's run tables (``rank_tables``) and lists, in issue order, every ``all_to_all_single``
+``_bwd`` over the sizes of the rank's run tables (``rank_sizes``) and lists, in issue order, every ``all_to_all_single``
 (bytes to and from each peer), every wait, every kernel call (entries, rows, causal pairs x heads), every
 index copy and every dense kernel over whole tensors (``torch.cat``, a dtype cast, ``new_zeros``; not the
 log-sum-exp arithmetic of split entries' merge) (``plan.model.ops``). ``plan.model.events`` prices the lists of all ranks together;
@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..model import POOL, RELAY, Copy, Exchange, Kernel, Wait
-from .runtime_tables import RankTables, RouteSplits, rank_tables
+from .runtime_tables import RankSizes, RouteSplits, rank_sizes
 
 __all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_content_key"]
 
@@ -65,13 +65,14 @@ class _Sizes:
 class _Rank:
     """Builds one rank's op list (the runtime's ``_Ctx`` + ``PendingExchange`` bookkeeping, host side)."""
 
-    def __init__(self, tables: RankTables, heads, rank: int, num_workers: int, relay_comm: str):
+    def __init__(self, tables: RankSizes, heads, rank: int, num_workers: int, relay_comm: str):
         self.t, self.heads, self.rank, self.W = tables, heads, rank, num_workers
         self.sz = _Sizes(heads)
         self.relay_comm = relay_comm
         self.ops: List[tuple] = []
         self.seq = {POOL: 0, RELAY: 0}
         self._calls = {}  # (id of the entry lengths, causal) -> the call's (entries, q rows, k rows, pairs x heads)
+        self._nbytes = {}  # (split sizes, row bytes) -> bytes per peer (``nbytes``)
 
     # ------------------------------------------------------------------ primitives
     def copy(self, op: str, rows: int, row_bytes: int, tag: str, m: int) -> None:
@@ -98,9 +99,17 @@ class _Rank:
             return None
         seq = self.seq[comm]
         self.seq[comm] += 1
-        self.ops.append(Exchange(comm, seq, tuple((np.asarray(splits.send, dtype=np.int64) * row_bytes).tolist()),
-                                 tuple((np.asarray(splits.recv, dtype=np.int64) * row_bytes).tolist()), tag, m))
+        self.ops.append(Exchange(comm, seq, self.nbytes(splits.send, row_bytes), self.nbytes(splits.recv, row_bytes), tag, m))
         return (comm, seq, tag, m)
+
+    def nbytes(self, rows: Tuple[int, ...], row_bytes: int) -> Tuple[int, ...]:
+        """Bytes per peer of split sizes ``rows``: one tuple per (sizes, row bytes) of the rank, shared by the
+        exchanges that repeat it (each chunk's Q, O, dO, dQ)."""
+        key = (rows, row_bytes)
+        out = self._nbytes.get(key)
+        if out is None:
+            out = self._nbytes[key] = tuple(map(int(row_bytes).__mul__, rows))  # rows: Python ints
+        return out
 
     def wait(self, pending) -> None:
         if pending is not None:
@@ -140,7 +149,7 @@ class _Rank:
         """The route's received rows fill its target, so the runtime places them by one gather through the
         inverse permutation (``runtime.routes.RouteIndex.recv_inverse``): the Q route always, the K|V route
         (tags ``kv*``) unless a relay route fills part of it."""
-        return not tag.startswith("kv") or self.t.relay_send is None
+        return not tag.startswith("kv") or self.t.relay_splits is None
 
     def placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
         """``PendingExchange.placed``: wait, place every received row (a gather when they fill the target)."""
@@ -280,7 +289,7 @@ class _FwdChunk:
         self.rk.copy("place", sp.self_rows, self.rk.sz.q, "o_self", self.m)
 
 
-def _lead(plan, t: RankTables, M: int) -> int:
+def _lead(plan, t: RankSizes, M: int) -> int:
     """``runtime.libra_attn._lead``."""
     if t.local is None:
         return M + 1
@@ -406,7 +415,7 @@ def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if relay_comm not in (POOL, RELAY):
         raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
-    tables = rank_tables(plan)
+    tables = rank_sizes(plan)
     fwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
     _forward(fwd, plan)
     bwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ..gc_pause import paused_gc
 from ..layout import HeadLayout
 from ..model import PhaseTiming, RelayTiming, price_ops
 from .schedule import layer_ops
@@ -179,7 +180,9 @@ def plan_layer_timing(plan, model, save_mode: str = "arranged", relay_comm: str 
     """The layer of an ExchangePlan as the runtime runs it: every rank's forward and backward op lists
     (``plan.exchange.schedule``, call for call ``runtime.libra_attn``) priced with the peers coupled
     (``plan.model.events.price_ops``) on ``model``'s nodes and rates. ``save_mode`` "arranged" | "refetch";
-    ``cache``: ``layer_ops``' op-list cache, shared by candidate plans of one pool."""
-    ops = layer_ops(plan, save_mode, relay_comm, cache)
-    nodes = model.nodes(plan.num_workers)
-    return LayerTiming(price_ops(ops.forward, model, nodes), price_ops(ops.backward, model, nodes), save_mode)
+    ``cache``: ``layer_ops``' op-list cache, shared by candidate plans of one pool. Runs with automatic garbage
+    collection paused (``plan.gc_pause``)."""
+    with paused_gc():
+        ops = layer_ops(plan, save_mode, relay_comm, cache)
+        nodes = model.nodes(plan.num_workers)
+        return LayerTiming(price_ops(ops.forward, model, nodes), price_ops(ops.backward, model, nodes), save_mode)

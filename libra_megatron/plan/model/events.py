@@ -146,7 +146,8 @@ def exchange_link_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndar
 class _Collective:
     """Issue times and byte matrices of one exchange (comm, seq) as its ranks issue it."""
 
-    def __init__(self, W: int):
+    def __init__(self, W: int, rows: Dict[tuple, np.ndarray]):
+        self.rows = rows  # the timeline's byte tuple -> float64 row conversions (equal tuples, one conversion)
         self.issued = np.full(W, np.nan)
         self.send = np.zeros((W, W))
         self.recv = np.zeros((W, W))
@@ -159,7 +160,13 @@ class _Collective:
             raise ValueError(f"exchange ({op.comm}, {op.seq}) of rank {rank} names {len(op.send)} ranks, the pool "
                              f"has {self.send.shape[0]}")
         self.issued[rank], self.count = when, self.count + 1
-        self.send[rank], self.recv[rank] = op.send, op.recv
+        self.send[rank], self.recv[rank] = self.row(op.send), self.row(op.recv)
+
+    def row(self, sizes: tuple) -> np.ndarray:
+        row = self.rows.get(sizes)
+        if row is None:
+            row = self.rows[sizes] = np.asarray(sizes, dtype=np.float64)
+        return row
 
     def check(self, key) -> None:
         """Every rank's receive sizes are what its peers send it (what ``all_to_all_single`` requires)."""
@@ -183,6 +190,8 @@ class _Timeline:
         self.ends: Dict[Tuple[str, int], np.ndarray] = {}
         self.comm_free: Dict[str, np.ndarray] = {}
         self.next_seq: Dict[str, int] = {}
+        self.rows: Dict[tuple, np.ndarray] = {}  # ``_Collective.row``
+        self.links: Dict[bytes, tuple] = {}  # send matrix bytes -> (message done seconds, link seconds)
 
     def advance(self, r: int) -> bool:
         """Run rank r's ops until a wait whose exchange has not ended; whether any op ran."""
@@ -205,7 +214,7 @@ class _Timeline:
             elif kind is Exchange:
                 coll = self.pending.get((op.comm, op.seq))
                 if coll is None:
-                    coll = self.pending[(op.comm, op.seq)] = _Collective(self.W)
+                    coll = self.pending[(op.comm, op.seq)] = _Collective(self.W, self.rows)
                     self.next_seq.setdefault(op.comm, 0)
                 coll.add(r, t, op)
             else:
@@ -228,20 +237,29 @@ class _Timeline:
         coll.check((comm, seq))
         free = self.comm_free.setdefault(comm, np.zeros(self.W))
         start = np.maximum(np.maximum(coll.issued, free), self.link_free)
-        done = message_done_seconds(coll.send, self.nodes, self.model)
+        done, x = self.link_seconds(coll.send)
         moves = done > 0
         both = np.maximum(start[:, None], start[None, :]) + done  # [s, d]: message s -> d done
         last = np.maximum(np.where(moves, both, -np.inf).max(axis=1, initial=-np.inf),
                           np.where(moves, both, -np.inf).max(axis=0, initial=-np.inf))
         own = start + 2.0 * np.diagonal(coll.send) / (self.model.copy_gbps * GB)  # the self segment
         end = self.model.collective_us * US + np.maximum(own, last)
-        x = exchange_link_seconds(coll.send, self.nodes, self.model)
         self.ends[(comm, seq)] = end
         self.comm_free[comm] = end
         self.link_free = start + x
         self.link_busy += x
         self.next_seq[comm] = seq + 1
         return True
+
+    def link_seconds(self, send: np.ndarray) -> tuple:
+        """(``message_done_seconds``, ``exchange_link_seconds``) of one send matrix, computed once per distinct
+        matrix: a layer's exchanges repeat a few routes' sizes (Q, dO, O and dQ share one)."""
+        key = send.tobytes()
+        out = self.links.get(key)
+        if out is None:
+            out = self.links[key] = (message_done_seconds(send, self.nodes, self.model),
+                                     exchange_link_seconds(send, self.nodes, self.model))
+        return out
 
     def run(self) -> PhaseTiming:
         while True:

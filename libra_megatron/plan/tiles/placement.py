@@ -22,6 +22,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from ...config import TilePlacement
+from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
 from ..exchange import build_exchange_plan, fetched_groups, plan_layer_timing
 from ..model import StepTimeModel
@@ -168,7 +169,11 @@ def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     Issue 24: the candidates were kept by the forward-only timeline (``plan_worker_seconds``), which underprices
     the coupled forward (1M pools: it kept Algorithm 2 where the runtime's forward is 30% slower than the
     export's) and cannot see the backward, where its moves often cost more than they saved."""
-    timing = timing or StepTimeModel(tiles.heads.head_dim)
+    with paused_gc():  # the search and the pricing allocate much and free it all (plan.gc_pause)
+        return _dense_candidates(tiles, tau, tile_cost, timing or StepTimeModel(tiles.heads.head_dim))
+
+
+def _dense_candidates(tiles: TileSet, tau: float, tile_cost, timing: StepTimeModel):
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
     exported = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
     moved = time_moves(tiles, exported, timing, DENSE_TIME_ROUNDS, DENSE_WIDTH)
