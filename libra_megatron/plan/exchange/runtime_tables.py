@@ -126,7 +126,23 @@ class RouteSplits:
 
 
 @dataclass(frozen=True, eq=False)
-class EntrySet:
+class EntryLens:
+    """Per-entry lengths of some of a rank's varlen entries (host ints): all ``rank_sizes`` keeps of an ``EntrySet``."""
+
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.q_lens)
+
+    @staticmethod
+    def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray) -> "EntryLens":
+        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()))
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class EntrySet(EntryLens):
     """Some of a rank's varlen entries as one kernel call of their own (``plan.exchange.local_entries``).
 
     q_rows    arranged-Q rows of the set's entries in entry order (the call's queries are gathered from
@@ -139,12 +155,6 @@ class EntrySet:
     k_gather: RowRuns
     cu_q: np.ndarray
     cu_k: np.ndarray
-    q_lens: Tuple[int, ...]
-    k_lens: Tuple[int, ...]
-
-    @property
-    def num_entries(self) -> int:
-        return len(self.q_lens)
 
     @staticmethod
     def of(keep: np.ndarray, cu_q: np.ndarray, k_start: np.ndarray, k_lens: np.ndarray, q_bound: int,
@@ -160,7 +170,32 @@ class EntrySet:
 
 
 @dataclass(frozen=True, eq=False)
-class RankTables:
+class RankSizes:
+    """A rank's split sizes and varlen lengths (``rank_sizes``): what the op lists of ``plan.exchange.schedule``
+    read. ``RankTables`` adds the row tables; its entry sets are ``EntrySet``s."""
+
+    q_lens: Tuple[int, ...]
+    k_lens: Tuple[int, ...]
+    q_splits: RouteSplits
+    kv_splits: RouteSplits
+    q_back_splits: RouteSplits
+    kv_back_splits: RouteSplits
+    kv_target_len: int  # arranged KV rows (nkv)
+    # local-first split (``plan.exchange.local_entries``): None when no entry is local or split, else the sets
+    local: Optional[EntryLens] = None  # causal: local entries, and the self-sourced key tails of split entries
+    remote: Optional[EntryLens] = None  # causal: remote entries
+    heads: Optional[EntryLens] = None  # no mask: split entries' keys before their tail (None: no split entry)
+    # relay route (None: the pool has no relay)
+    relay_splits: Optional[RouteSplits] = None
+    relay_back_splits: Optional[RouteSplits] = None
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.q_lens)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class RankTables(RankSizes):
     q_send: Tuple[RowRuns, ...]
     kv_send: Tuple[RowRuns, ...]
     q_arranged: RowRuns
@@ -168,27 +203,9 @@ class RankTables:
     k_gather: RowRuns
     cu_q: np.ndarray
     cu_k: np.ndarray
-    q_lens: Tuple[int, ...]
-    k_lens: Tuple[int, ...]
-    q_splits: RouteSplits
-    kv_splits: RouteSplits
-    q_back_splits: RouteSplits
-    kv_back_splits: RouteSplits
     q_target_len: int  # arranged Q rows (nq)
-    kv_target_len: int  # arranged KV rows (nkv)
-    # local-first split (``plan.exchange.local_entries``): None when no entry is local or split, else the sets
-    local: Optional[EntrySet] = None  # causal: local entries, and the self-sourced key tails of split entries
-    remote: Optional[EntrySet] = None  # causal: remote entries
-    heads: Optional[EntrySet] = None  # no mask: split entries' keys before their tail (None: no split entry)
-    # relay route (None: the pool has no relay)
-    relay_send: Optional[RowRuns] = None
+    relay_send: Optional[RowRuns] = None  # relay route rows (None: the pool has no relay)
     relay_recv: Optional[RowRuns] = None
-    relay_splits: Optional[RouteSplits] = None
-    relay_back_splits: Optional[RouteSplits] = None
-
-    @property
-    def num_entries(self) -> int:
-        return len(self.q_lens)
 
     def entry_sets(self) -> Tuple[EntrySet, ...]:
         return tuple(x for x in (self.local, self.remote, self.heads) if x is not None)
@@ -219,36 +236,6 @@ class RankTables:
     def host_nbytes(self) -> int:
         """Bytes of the run tables themselves (what the planner builds and keeps)."""
         return sum(t.start.nbytes + t.count.nbytes for t in self.distinct_runs()) + self._offsets_nbytes()
-
-
-@dataclass(frozen=True, eq=False)
-class EntryLens:
-    """An ``EntrySet``'s per-entry lengths only (``rank_sizes``)."""
-
-    q_lens: Tuple[int, ...]
-    k_lens: Tuple[int, ...]
-
-    @staticmethod
-    def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray) -> "EntryLens":
-        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()))
-
-
-@dataclass(frozen=True, eq=False)
-class RankSizes:
-    """The fields of ``RankTables`` that hold sizes, not rows (``rank_sizes``): same names, same values."""
-
-    q_lens: Tuple[int, ...]
-    k_lens: Tuple[int, ...]
-    q_splits: RouteSplits
-    kv_splits: RouteSplits
-    q_back_splits: RouteSplits
-    kv_back_splits: RouteSplits
-    kv_target_len: int
-    local: Optional[EntryLens] = None
-    remote: Optional[EntryLens] = None
-    heads: Optional[EntryLens] = None
-    relay_splits: Optional[RouteSplits] = None
-    relay_back_splits: Optional[RouteSplits] = None
 
 
 def _frozen(x) -> np.ndarray:
@@ -302,42 +289,44 @@ def _cu32(lengths: np.ndarray) -> np.ndarray:
 
 def build_rank_tables(plan: RankPlan) -> RankTables:
     """All tables of ``plan`` (no caching; see ``rank_tables``). O(runs + varlen entries), no unit array."""
-    heads, r, M = plan.heads, plan.rank, plan.heads.num_chunks
+    heads, M = plan.heads, plan.heads.num_chunks
     qr, kr = plan.q_route, plan.kv_route
-    q_lens = np.diff(np.asarray(plan.cu_seqlens_q, dtype=np.int64))
-    k_lens = np.asarray(plan.seq_k_len, dtype=np.int64)
+    q_lens, k_lens = _entry_lens(plan)
     q_view_rows = plan.local_tokens * heads.head_split * M
     kv_view_rows = plan.local_tokens * heads.kv_pieces_per_token
-    q_splits, kv_splits = RouteSplits.of(qr, r), RouteSplits.of(kr, r)
     local, remote, head_set = _entry_split(plan, q_lens, k_lens)
-    relay = _relay_tables(plan)
     return RankTables(
         q_send=_q_send(qr, heads, q_view_rows), kv_send=_kv_send(kr, heads, kv_view_rows),
         q_arranged=RowRuns.of(qr.recv_runs, qr.target_len), kv_arranged=RowRuns.of(kr.recv_runs, kr.target_len),
-        k_gather=_k_gather(plan), cu_q=_cu32(q_lens), cu_k=_cu32(k_lens),
-        q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()),
-        q_splits=q_splits, kv_splits=kv_splits,
-        q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
-        q_target_len=int(qr.target_len), kv_target_len=int(kr.target_len), local=local, remote=remote,
-        heads=head_set, **relay,
+        k_gather=_k_gather(plan), cu_q=_cu32(q_lens), cu_k=_cu32(k_lens), q_target_len=int(qr.target_len),
+        local=local, remote=remote, heads=head_set, **_relay_rows(plan), **_size_fields(plan, q_lens, k_lens),
     )
 
 
-def _relay_tables(plan: RankPlan) -> dict:
-    """The relay route's rows (arranged-KV rows on both sides, chunk-independent) and splits, or {}."""
+def _entry_lens(plan: RankPlan) -> Tuple[np.ndarray, np.ndarray]:
+    """int64 per-entry query and key lengths of ``plan``'s varlen call."""
+    return np.diff(np.asarray(plan.cu_seqlens_q, dtype=np.int64)), np.asarray(plan.seq_k_len, dtype=np.int64)
+
+
+def _size_fields(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray) -> dict:
+    """The ``RankSizes`` fields of ``plan`` but its entry sets: lengths, the routes' splits and their inverses."""
+    r = plan.rank
+    q_splits, kv_splits = RouteSplits.of(plan.q_route, r), RouteSplits.of(plan.kv_route, r)
+    out = dict(q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()), q_splits=q_splits, kv_splits=kv_splits,
+               q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
+               kv_target_len=int(plan.kv_route.target_len))
+    if plan.relay_route is not None:
+        splits = RouteSplits.of(plan.relay_route, r)
+        out.update(relay_splits=splits, relay_back_splits=splits.inverse(r))
+    return out
+
+
+def _relay_rows(plan: RankPlan) -> dict:
+    """The relay route's rows (arranged-KV rows on both sides, chunk-independent), or {}."""
     rt = plan.relay_route
     if rt is None:
         return {}
-    return dict(relay_send=RowRuns.of(rt.send_runs, rt.source_len), relay_recv=RowRuns.of(rt.recv_runs, rt.target_len),
-                **_relay_splits(plan))
-
-
-def _relay_splits(plan: RankPlan) -> dict:
-    """The relay route's splits and their inverse, or {} without a relay."""
-    if plan.relay_route is None:
-        return {}
-    splits = RouteSplits.of(plan.relay_route, plan.rank)
-    return dict(relay_splits=splits, relay_back_splits=splits.inverse(plan.rank))
+    return dict(relay_send=RowRuns.of(rt.send_runs, rt.source_len), relay_recv=RowRuns.of(rt.recv_runs, rt.target_len))
 
 
 def _entry_parts(plan: RankPlan, k_lens: np.ndarray):
@@ -368,16 +357,10 @@ def _entry_split(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray):
 def rank_sizes(plan: RankPlan) -> "RankSizes":
     """The split sizes and varlen lengths of ``plan``'s ``RankTables``, without their row tables: what the op lists of
     ``plan.exchange.schedule`` read (a pool's candidate placements are priced rank by rank, issue 25)."""
-    r = plan.rank
-    q_lens = np.diff(np.asarray(plan.cu_seqlens_q, dtype=np.int64))
-    k_lens = np.asarray(plan.seq_k_len, dtype=np.int64)
-    q_splits, kv_splits = RouteSplits.of(plan.q_route, r), RouteSplits.of(plan.kv_route, r)
+    q_lens, k_lens = _entry_lens(plan)
     parts = _entry_parts(plan, k_lens) or (None, None, None)
     local, remote, heads = (None if part is None else EntryLens.of(q_lens, part[0], part[2]) for part in parts)
-    return RankSizes(q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()), q_splits=q_splits,
-                     kv_splits=kv_splits, q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
-                     kv_target_len=int(plan.kv_route.target_len), local=local, remote=remote, heads=heads,
-                     **_relay_splits(plan))
+    return RankSizes(local=local, remote=remote, heads=heads, **_size_fields(plan, q_lens, k_lens))
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
