@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_balance import pack  # noqa: E402
-from libra_megatron.plan.sequences import SyncLayout, place_sequences  # noqa: E402
+from libra_megatron.plan.sequences import PoolProxy, SequenceStats, SyncLayout, place_sequences  # noqa: E402
 from libra_megatron.plan.traces import find_trace, load_trace  # noqa: E402
 from libra_megatron.config import KvFetch, SequencePlacement, TilePlacement, TilingPolicy, TokenLayoutKind  # noqa: E402
 from libra_megatron.plan.layout import HeadLayout, TokenLayout  # noqa: E402
@@ -186,18 +186,30 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
 SYNC_LAYOUTS = ((32, 1), (64, 1), (128, 1), (256, 1), (32, 2), (64, 4), (128, 4), (256, 8))  # (DP, PP) at GBS 1024
 
 
-def bench_vrsp(flops, reps):
+def _priced_sync(segments, layout, proxy):
+    """What the sampler runs at PP > 1: the window's proxy statistics, then the priced sync placement."""
+    stats = SequenceStats.of(segments)
+    return place_sequences(stats.flops, POOL_SIZE, SequencePlacement.SYNC, layout, proxy.pricer(stats))
+
+
+def bench_vrsp(segments, reps):
     gbs = 1024
-    flops = np.resize(flops, gbs)  # the trace's first 1024 sequences (wrapped if shorter)
+    segments = [segments[i % len(segments)] for i in range(gbs)]  # the trace's first 1024 sequences (wrapped)
+    flops = sequence_flops(segments)
+    proxy = PoolProxy(POOL_SIZE, 8, 256 * 1024, 32, 4, 128)  # 256K, CP=8, Qwen3-30B-A3B heads
     for method in (SequencePlacement.ALG1, SequencePlacement.REFINED):
         ms = [timed(place_sequences, flops, POOL_SIZE, method)[1] for _ in range(reps)]
         print(f"VRSP {method.value:<8} GBS={gbs} P={POOL_SIZE}: median {np.median(ms):.2f} ms "
               f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
     for dp, pp in SYNC_LAYOUTS:  # sync: lanes of P replicas over GA = GBS/DP steps (plan/sequences/lanes.py)
         layout = SyncLayout(dp, POOL_SIZE, gbs // dp, pipeline_parallel_size=pp)
-        ms = [timed(place_sequences, flops, POOL_SIZE, SequencePlacement.SYNC, layout)[1] for _ in range(reps)]
+        if pp > 1:  # priced by the pool proxy (plan.sequences.priced_lanes), statistics included
+            ms = [timed(_priced_sync, segments, layout, proxy)[1] for _ in range(reps)]
+        else:
+            ms = [timed(place_sequences, flops, POOL_SIZE, SequencePlacement.SYNC, layout)[1] for _ in range(reps)]
         print(f"VRSP sync     GBS={gbs} P={POOL_SIZE} DP={dp} GA={gbs // dp} PP={pp}: median {np.median(ms):.2f} ms "
-              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
+              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}"
+              + (" (priced pools)" if pp > 1 else ""))
 
 
 def main() -> None:
@@ -238,7 +250,7 @@ def main() -> None:
     for case in () if args.vrsp_only else [c for c in CASES if c[0] in args.cases]:
         for mode in args.modes:
             bench_case(segs_by_trace, case, args.pools, args.reps, mode)
-    bench_vrsp(sequence_flops(segs_by_trace["linux"][256 * 1024]), 20 * args.reps)
+    bench_vrsp(segs_by_trace["linux"][256 * 1024], 20 * args.reps)
 
 
 if __name__ == "__main__":

@@ -406,11 +406,9 @@ def _window_exists(sampler: Any, window: int) -> bool:
 
 def _window_order(sampler: Any, window: int) -> tuple:
     """(segments of the window's GBS samples in sampler order, the sampler's VRSP order of them)."""
-    from ..plan.model import sequence_flops
-
     indices = sampler.window_indices(window)
     segments = [np.asarray(sampler.segments_fn(sampler.dataset, int(i)), dtype=np.int64) for i in indices]
-    return segments, sampler.placement_order(sequence_flops(segments))
+    return segments, sampler.placement_order(segments)
 
 
 def _window_metrics(sampler: Any, args: argparse.Namespace) -> dict:

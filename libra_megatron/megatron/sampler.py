@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..config import SequencePlacement
-from ..plan.sequences import SyncLayout, place_sequences
+from ..plan.sequences import PoolProxy, SequenceStats, SyncLayout, place_sequences, priced_lanes_apply
 from ..plan.model import sequence_flops
 from .segments import gpt_sample_segments
 
@@ -47,7 +47,7 @@ __all__ = [
     "LibraGlobalBatchSampler",
     "LibraPoolDataset",
     "build_libra_data_loader",
-    "sync_layout_from_args",
+    "sync_layout_from_args", "pool_proxy_from_args",
     "encode_pool_segments",
     "decode_pool_segments",
 ]
@@ -86,7 +86,7 @@ class LibraGlobalBatchSampler:
                  sequence_placement=SequencePlacement.SYNC, dataloader_type: str = "single", seed: int = 1234,
                  segments_fn: Callable[[Any, int], np.ndarray] = gpt_sample_segments,
                  on_window_planned: Optional[WindowListener] = None,
-                 sync_layout: Optional[SyncLayout] = None) -> None:
+                 sync_layout: Optional[SyncLayout] = None, pool_proxy: Optional[PoolProxy] = None) -> None:
         _check_sampler_args(total_samples, consumed_samples, micro_batch_size, global_batch_size,
                             data_parallel_rank, data_parallel_size, pool_size, dataloader_type)
         self.dataset = dataset
@@ -105,6 +105,8 @@ class LibraGlobalBatchSampler:
         # what the sync placement balances; without one: PP=1, EP inside a replica (lanes of P replicas)
         self.sync_layout = sync_layout or SyncLayout(self.data_parallel_size, self.pool_size, self.num_ga)
         _check_sync_layout(self.sync_layout, self)
+        # at PP > 1 the sync placement prices candidate pools with it (plan.sequences.pool_proxy); None: F only
+        self.pool_proxy = pool_proxy
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
 
     def __len__(self) -> int:
@@ -136,12 +138,17 @@ class LibraGlobalBatchSampler:
         """VRSP for one window: segments of its GBS samples, Eq. 4 workloads, ``place_sequences`` order."""
         indices = self.window_indices(window)
         segments = [np.asarray(self.segments_fn(self.dataset, int(i)), dtype=np.int64) for i in indices]
-        order = self.placement_order(sequence_flops(segments))
+        order = self.placement_order(segments)
         return WindowPlan(window, indices[order], tuple(segments[i] for i in order))
 
-    def placement_order(self, flops) -> np.ndarray:
-        """The window's run order (``place_sequences`` with this sampler's method and sync layout)."""
-        return place_sequences(flops, self.pool_size, self.sequence_placement, self.sync_layout)
+    def placement_order(self, segments) -> np.ndarray:
+        """The window's run order from its sequences' document lengths (``place_sequences`` with this sampler's
+        method and sync layout; at PP > 1 its pools priced by ``pool_proxy`` when it has one)."""
+        if self.pool_proxy is None:
+            return place_sequences(sequence_flops(segments), self.pool_size, self.sequence_placement, self.sync_layout)
+        stats = SequenceStats.of(segments)
+        return place_sequences(stats.flops, self.pool_size, self.sequence_placement, self.sync_layout,
+                               self.pool_proxy.pricer(stats))
 
     def keys_for_window(self, plan: WindowPlan, first_ga: int = 0) -> List[LibraSampleKey]:
         """This rank's keys for GA indices ``first_ga ..`` of a planned window."""
@@ -271,11 +278,12 @@ def build_libra_data_loader(dataset: Any, consumed_samples: int, args: Any, *, c
 
         data_parallel_rank = parallel_state.get_data_parallel_rank()
         data_parallel_size = parallel_state.get_data_parallel_world_size()
+    layout = sync_layout_from_args(args, data_parallel_size, config.pool_size)
     sampler = LibraGlobalBatchSampler(
         dataset, len(dataset), consumed_samples, args.micro_batch_size, args.global_batch_size,
         data_parallel_rank, data_parallel_size, config.pool_size, config.sequence_placement,
         getattr(args, "dataloader_type", None) or "single", getattr(args, "seed", 1234), segments_fn,
-        on_window_planned, sync_layout_from_args(args, data_parallel_size, config.pool_size),
+        on_window_planned, layout, pool_proxy_from_args(args, config.pool_size) if priced_lanes_apply(layout) else None,
     )
     workers = int(getattr(args, "num_workers", 0) or 0)
     return torch.utils.data.DataLoader(
@@ -292,6 +300,19 @@ _MEGATRON_FLAGS = {
     "expert_tensor_parallel_size": "--expert-tensor-parallel-size", "backward_ratio": "backward_ratio",
     "other_seconds": "other_seconds",
 }
+
+
+def pool_proxy_from_args(args: Any, pool_size: int) -> PoolProxy:
+    """The priced-pool proxy of a Megatron run (``plan.sequences.pool_proxy``): a pool is P CP groups of
+    ``--seq-length`` tokens at one TP rank (its heads: ``--num-attention-heads`` and ``--num-query-groups`` over
+    TP, head dim ``--kv-channels``), bf16 / fp16 elements or fp32, the time model's default rates."""
+    tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
+    hq = int(args.num_attention_heads)
+    groups = int(getattr(args, "num_query_groups", None) or hq) if getattr(args, "group_query_attention", True) else hq
+    head_dim = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // hq)
+    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    return PoolProxy(int(pool_size), int(getattr(args, "context_parallel_size", None) or 1), int(args.seq_length),
+                     max(hq // tp, 1), max(groups // tp, 1), head_dim, 2 if half else 4)
 
 
 def sync_layout_from_args(args: Any, data_parallel_size: int, pool_size: int) -> SyncLayout:

@@ -105,7 +105,8 @@ def window_forward(corpus, w: int, spec: SimSpec, ev) -> Dict[str, np.ndarray]:
     ulysses = step_timing(per_rank(uly_fwd), spec.sync_layout(1), per_rank(uly_bwd)).microbatch_seconds
     p = spec.pool_sizes[0]
     layout = spec.sync_layout(p)
-    order = place_sequences(corpus.flops[ids], p, spec.sequence_placement, layout)
+    order = place_sequences(corpus.flops[ids], p, spec.sequence_placement, layout,
+                            R.window_pool_seconds(corpus, ids, p, spec))
     knobs = R._make_candidates(spec)[0].knobs
     pools = R._run_order(ev, ids, order, p, knobs, spec.tile_placement, spec).pools
     libra = step_timing(worker_seconds([q.fwd_seconds for q in pools], layout), layout,

@@ -45,7 +45,7 @@ from ..config import PackingMode, SequencePlacement, TilePlacement
 from ..plan.layout import TokenLayout
 from ..plan.model import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from ..plan.packing import num_packed_upper_bound, pack_documents
-from ..plan.sequences import place_sequences, pool_loads
+from ..plan.sequences import SequenceStats, place_sequences, pool_loads
 from .baselines import sequence_pair_heads, ulysses_layer_seconds, ulysses_worker_seconds, wlb_repack
 from .hybrid_cp import HybridCpBaseline, HybridCpDims
 from .pools import PoolEvaluator, PoolKnobs, PoolResult, SaveRule
@@ -228,11 +228,22 @@ def _inter_pool(cand_p: int, flops: np.ndarray, orders: Dict[str, np.ndarray]) -
     return out
 
 
-def _orders(flops: np.ndarray, pool_size: int, spec: SimSpec) -> Dict[str, np.ndarray]:
+def sequence_stats(corpus: "_Corpus", ids: np.ndarray) -> SequenceStats:
+    """What the priced-pool proxy reads of the packed sequences ``ids`` (``plan.sequences.pool_proxy``)."""
+    return SequenceStats.of([corpus.segments[i] for i in np.asarray(ids).tolist()])
+
+
+def window_pool_seconds(corpus: "_Corpus", ids: np.ndarray, pool_size: int, spec: SimSpec):
+    """The ``pool_seconds`` the sync placement prices a window's candidate pools with at PP > 1: the proxy of
+    ``spec.pool_proxy`` on the window's sequences, as the sampler builds it."""
+    return spec.pool_proxy(pool_size).pricer(sequence_stats(corpus, ids))
+
+
+def _orders(flops: np.ndarray, pool_size: int, spec: SimSpec, pool_seconds=None) -> Dict[str, np.ndarray]:
     return {
         "contiguous": place_sequences(flops, pool_size, SequencePlacement.CONTIGUOUS),
         "alg1": place_sequences(flops, pool_size, SequencePlacement.ALG1),
-        "placed": place_sequences(flops, pool_size, spec.sequence_placement, spec.sync_layout(pool_size)),
+        "placed": place_sequences(flops, pool_size, spec.sequence_placement, spec.sync_layout(pool_size), pool_seconds),
     }
 
 
@@ -312,7 +323,7 @@ def _simulate_window(corpus: _Corpus, w: int, spec: SimSpec, ev: PoolEvaluator, 
     result.window_cv.append(float(flops.std() / flops.mean()) if flops.mean() > 0 else 0.0)
     distca: Dict[PoolKnobs, _OrderRun] = {}
     for p in spec.pool_sizes:
-        orders = _orders(flops, p, spec)
+        orders = _orders(flops, p, spec, window_pool_seconds(corpus, win.ids, p, spec))
         if spec.dump_orders:
             result.orders_dump.append(_order_record(corpus, win, p, orders["placed"], spec))
         inter = _inter_pool(p, flops, orders)

@@ -13,7 +13,7 @@ from ..config import (KvFetch, LibraConfig, PackingMode, SaveModeName, SequenceP
                       TokenLayoutKind)
 from ..plan.model import StepTimeModel, saved_layers
 from ..plan.packing import num_packed_upper_bound, packing_memory_bytes
-from ..plan.sequences import SyncLayout
+from ..plan.sequences import PoolProxy, SyncLayout
 
 __all__ = ["ModelDims", "SimSpec", "check_run_cost", "check_jobs", "MODEL_PRESETS", "MODEL_LAYERS", "DTYPE_BYTES",
            "MIN_SEQ_LEN",
@@ -112,6 +112,13 @@ class SimSpec:
                           self.virtual_pipeline_size, self.tensor_parallel_size, self.context_parallel_size,
                           self.expert_parallel_size, self.expert_tensor_parallel_size,
                           other_seconds=self.other_seconds)
+
+    def pool_proxy(self, pool_size: int) -> PoolProxy:
+        """The priced-pool proxy the sync placement reads at PP > 1 (``plan.sequences.pool_proxy``): this run's
+        pools (P x CP workers, L tokens), heads and the time model's rates."""
+        return PoolProxy(pool_size, self.context_parallel_size, self.seq_len, self.dims.num_q_heads,
+                         self.dims.num_kv_heads, self.dims.head_dim, self.dims.elem_bytes, self.cost.attn_tflops,
+                         self.cost.inter_node_gbps)
 
     def validate(self) -> "SimSpec":
         _validate_spec(self)

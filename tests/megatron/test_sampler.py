@@ -226,3 +226,45 @@ def test_sync_layout_from_megatron_args_places_ep_groups_by_rank_order():
     assert tied.expert_tensor_parallel_size == 1 and tied.ep_ties_lanes
     dense = argparse.Namespace(**{**vars(moe), "num_experts": None})
     assert sync_layout_from_args(dense, 8, 8).expert_parallel_size == 1  # no experts: EP does not tie anything
+
+
+def test_pool_proxy_from_megatron_args_reads_heads_per_tp_rank():
+    from libra_megatron.megatron.sampler import pool_proxy_from_args
+
+    args = argparse.Namespace(tensor_model_parallel_size=4, num_attention_heads=64, group_query_attention=True,
+                              num_query_groups=4, kv_channels=128, hidden_size=4096, bf16=True, fp16=False,
+                              context_parallel_size=8, seq_length=262144)  # configs/qwen3-235b-a22b-256k.args
+    proxy = pool_proxy_from_args(args, 8)
+    assert (proxy.pool_size, proxy.context_parallel_size, proxy.seq_len, proxy.num_q_heads, proxy.num_kv_heads,
+            proxy.head_dim, proxy.elem_bytes) == (8, 8, 262144, 16, 1, 128, 2)
+    plain = argparse.Namespace(**{**vars(args), "group_query_attention": False, "kv_channels": None, "bf16": False,
+                                  "tensor_model_parallel_size": 1})
+    proxy = pool_proxy_from_args(plain, 2)  # no GQA: a kv head per query head; fp32; head dim = hidden / heads
+    assert (proxy.num_q_heads, proxy.num_kv_heads, proxy.head_dim, proxy.elem_bytes) == (64, 64, 64, 4)
+
+
+def test_sampler_prices_candidate_pools_at_pp2(trace_gpt_dataset):
+    """With a PP > 1 sync layout and a pool proxy, every window's order is ``place_sequences`` with the proxy's
+    prices of that window's documents, on every rank alike; the multiset is kept."""
+    from libra_megatron.plan.model import sequence_flops
+    from libra_megatron.plan.sequences import PoolProxy, SequenceStats, SyncLayout, place_sequences
+
+    dp, pool, gbs = 8, 2, 32  # 4 lanes x GA 4
+    layout = SyncLayout(dp, pool, gbs // dp, pipeline_parallel_size=2)
+    proxy = PoolProxy(pool, 2, 2048, 4, 2, 16)
+    samplers = [LibraGlobalBatchSampler(trace_gpt_dataset, len(trace_gpt_dataset), 0, 1, gbs, rank, dp, pool,
+                                        SequencePlacement.SYNC, "single", seed=3, sync_layout=layout, pool_proxy=proxy)
+                for rank in (0, 5)]
+    differs = 0
+    for window in range(4):
+        plans = [s.plan_window(window) for s in samplers]
+        indices = samplers[0].window_indices(window)
+        segments = [np.asarray(gpt_sample_segments(trace_gpt_dataset, int(i))) for i in indices]
+        stats = SequenceStats.of(segments)
+        expected = place_sequences(stats.flops, pool, SequencePlacement.SYNC, layout, proxy.pricer(stats))
+        for plan in plans:
+            assert plan.sample_indices.tolist() == indices[expected].tolist()
+        assert sorted(plans[0].sample_indices.tolist()) == sorted(indices.tolist())
+        f_only = place_sequences(sequence_flops(segments), pool, SequencePlacement.SYNC, layout)
+        differs += not np.array_equal(f_only, expected)
+    assert differs >= 1  # the prices change the order somewhere (the proxy is read, not ignored)

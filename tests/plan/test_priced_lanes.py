@@ -1,43 +1,56 @@
-"""Priced lanes (plan.sequences.priced_lanes): groupings, microbatch orders and the lane's choice, against hand-drawn
-1F1B timelines and brute force."""
+"""Priced lanes (plan.sequences.priced_lanes): groupings, microbatch orders and every lane's choice, against hand-drawn
+1F1B timelines and brute force; the PP > 1 placement's guard."""
 import itertools
 
 import numpy as np
 import pytest
 
-from libra_megatron.plan.sequences import SyncLayout, run_lane_pipelines
-from libra_megatron.plan.sequences.priced_lanes import (assemble_order, choose_lane, lane_groupings,
-                                                        microbatch_orders)
+from libra_megatron.config import SequencePlacement
+from libra_megatron.plan.sequences import SyncLayout, place_for_sync, place_sequences, run_lane_pipelines
+from libra_megatron.plan.sequences.lanes import priced_lanes_apply
+from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, assemble_order, choose_lanes, lane_groupings,
+                                                        microbatch_orders, place_for_pipelines, priced_lane_order,
+                                                        priced_step_seconds)
 
 
-def test_choose_lane_matches_hand_drawn_pipelines():
+def _span(f, b, layout):
+    return run_lane_pipelines(np.asarray(f, dtype=float)[:, None], layout, np.asarray(b, dtype=float)[:, None]).makespan[0]
+
+
+def test_choose_lanes_matches_hand_drawn_pipelines():
     layout = SyncLayout(2, 1, 2, pipeline_parallel_size=2)
     # PP=2, m=2, B = 2F. Times (3, 1): s0 F0 [0,3]; s1 F0 [3,6] B0 [6,12]; s0 F1 [3,4] B0 [12,18]; s1 F1 [12,13]
     # B1 [13,15]; s0 B1 [18,20] -> 20. Times (1, 3) -> 19 (tests/plan/test_sync.py). Times (2, 2): s0 F0 [0,2];
     # s1 F0 [2,4] B0 [4,8]; s0 F1 [2,4] B0 [8,12]; s1 F1 [8,10] B1 [10,14]; s0 B1 [14,18] -> 18.
-    like = (np.array([3.0, 1.0]), np.array([6.0, 2.0]))
-    name, order, span = choose_lane({"like": like}, layout)
-    assert (name, order.tolist(), span) == ("like", [1, 0], pytest.approx(19.0))
-    name, order, span = choose_lane({"like": like, "alg1": (np.array([2.0, 2.0]), np.array([4.0, 4.0]))}, layout)
-    assert (name, order.tolist(), span) == ("alg1", [0, 1], pytest.approx(18.0))
+    like_f, like_b = np.array([3.0, 1.0]), np.array([6.0, 2.0])
+    grouping, order = choose_lanes(like_f[None, :, None], like_b[None, :, None], layout)
+    assert (grouping.tolist(), order[:, 0].tolist()) == ([0], [1, 0])
+    assert _span(like_f[order[:, 0]], like_b[order[:, 0]], layout) == pytest.approx(19.0)
+    fwd = np.stack([like_f, [2.0, 2.0]])[:, :, None]
+    bwd = np.stack([like_b, [4.0, 4.0]])[:, :, None]
+    grouping, order = choose_lanes(fwd, bwd, layout)
+    assert (grouping.tolist(), order[:, 0].tolist()) == ([1], [0, 1])  # alg1 at 18 beats like at 19
+    # a tie keeps the earlier grouping: both groupings the same seconds
+    grouping, _ = choose_lanes(np.stack([like_f, like_f])[:, :, None], np.stack([like_b, like_b])[:, :, None], layout)
+    assert grouping.tolist() == [0]
 
 
-def test_choose_lane_is_the_best_of_its_candidates_and_never_below_brute_force():
+def test_choose_lanes_is_each_lanes_best_candidate_and_never_below_brute_force():
     rng = np.random.default_rng(7)
-    for pp, ga in ((2, 4), (4, 5), (3, 3)):
-        layout = SyncLayout(2, 1, ga, pipeline_parallel_size=pp)
-        priced = {g: (rng.uniform(1, 5, ga), rng.uniform(2, 12, ga)) for g in ("like", "alg1")}
-        name, order, span = choose_lane(priced, layout)
-        fwd, bwd = priced[name]
-        assert sorted(order.tolist()) == list(range(ga))
-        got = run_lane_pipelines(fwd[order][:, None], layout, bwd[order][:, None]).makespan[0]
-        assert span == pytest.approx(got)
-        for g, (f, b) in priced.items():  # no candidate of any grouping is shorter
-            for o in microbatch_orders(f + b):
-                assert run_lane_pipelines(f[o][:, None], layout, b[o][:, None]).makespan[0] >= span - 1e-12
-        brute = min(run_lane_pipelines(f[list(p)][:, None], layout, b[list(p)][:, None]).makespan[0]
-                    for f, b in priced.values() for p in itertools.permutations(range(ga)))
-        assert span >= brute - 1e-12
+    for pp, ga, lanes in ((2, 4, 3), (4, 5, 2), (3, 3, 4)):
+        layout = SyncLayout(2 * lanes, 2, ga, pipeline_parallel_size=pp)
+        fwd, bwd = rng.uniform(1, 5, (2, ga, lanes)), rng.uniform(2, 12, (2, ga, lanes))
+        grouping, order = choose_lanes(fwd, bwd, layout)
+        for j in range(lanes):  # each lane apart, every candidate through its own pipeline
+            g, o = int(grouping[j]), order[:, j]
+            assert sorted(o.tolist()) == list(range(ga))
+            span = _span(fwd[g, o, j], bwd[g, o, j], layout)
+            for h in range(2):
+                for cand in microbatch_orders(fwd[h, :, j] + bwd[h, :, j]):
+                    assert _span(fwd[h, cand, j], bwd[h, cand, j], layout) >= span - 1e-12
+            brute = min(_span(fwd[h, list(p), j], bwd[h, list(p), j], layout)
+                        for h in range(2) for p in itertools.permutations(range(ga)))
+            assert span >= brute - 1e-12
 
 
 def test_microbatch_orders_by_hand():
@@ -68,10 +81,85 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="GA\\*DP"):
         lane_groupings(np.ones(7), layout)
     with pytest.raises(ValueError, match="GA = 2"):
-        choose_lane({"like": (np.ones(3), np.ones(3))}, layout)
-    with pytest.raises(ValueError, match="unknown groupings \\['typo'\\]"):
-        choose_lane({"like": (np.ones(2), np.ones(2)), "typo": (np.ones(2), np.ones(2))}, layout)
-    with pytest.raises(ValueError, match="no grouping"):
-        choose_lane({}, layout)
+        choose_lanes(np.ones((2, 3, 2)), np.ones((2, 3, 2)), layout)
+    with pytest.raises(ValueError, match="GA = 2"):
+        choose_lanes(np.ones((2, 2, 2)), np.ones((1, 2, 2)), layout)
     with pytest.raises(ValueError, match="lanes chosen"):
         assemble_order([np.zeros((2, 2))], layout)
+
+
+def test_priced_step_seconds_by_hand():
+    layout = SyncLayout(2, 1, 2, pipeline_parallel_size=2)  # 2 lanes x GA 2; pool k = g*2 + j runs in lane j
+    fwd = np.array([3.0, 2.0, 1.0, 2.0])
+    seconds = lambda pools: (fwd[pools[:, 0]], 2 * fwd[pools[:, 0]])  # noqa: E731
+    # lane 0 runs (3, 1) -> 20, lane 1 (2, 2) -> 18 (hand-drawn above): the step waits for lane 0
+    assert priced_step_seconds(np.arange(4), layout, seconds) == pytest.approx(20.0)
+    # lanes (3, 2) and (2, 1): s0 F0 [0,3]; s1 F0 [3,6] B0 [6,12]; s0 F1 [3,5] B0 [12,18]; s1 F1 [12,14] B1 [14,18];
+    # s0 B1 [18,22] -> 22 (lane 1: 14)
+    assert priced_step_seconds(np.array([0, 1, 3, 2]), layout, seconds) == pytest.approx(22.0)
+    assert priced_step_seconds(np.array([2, 1, 0, 3]), layout, seconds) == pytest.approx(19.0)  # lane 0 (1, 3)
+
+
+def _skewed_window(seed, gbs):
+    rng = np.random.default_rng(seed)
+    flops = rng.pareto(1.2, gbs) * 1e6 + 1e5
+    skew = rng.uniform(0.3, 3.0, gbs)  # a pool's seconds are not its F (what the proxy adds)
+
+    def pool_seconds(pools):
+        f = (flops[pools] * skew[pools]).sum(axis=1) / 1e6
+        return f, 2.5 * f + flops[pools].max(axis=1) / 1e6
+
+    return flops, pool_seconds
+
+
+@pytest.mark.parametrize("pp,vpp,dp,pool,ga", [(2, 1, 8, 2, 4), (4, 1, 16, 4, 8), (2, 2, 8, 2, 4)])
+def test_place_for_pipelines_is_never_slower_than_its_candidates(pp, vpp, dp, pool, ga):
+    for seed in range(4):
+        layout = SyncLayout(dp, pool, ga, pipeline_parallel_size=pp, virtual_pipeline_size=vpp)
+        flops, pool_seconds = _skewed_window(seed, dp * ga)
+        sync = place_for_sync(flops, layout)
+        order, name = place_for_pipelines(flops, layout, pool_seconds, sync)
+        assert sorted(order.tolist()) == list(range(dp * ga))  # the step's multiset
+        best = priced_step_seconds(order, layout, pool_seconds)
+        others = {"priced lanes": priced_lane_order(flops, layout, pool_seconds), "sync": sync,
+                  "alg1": place_sequences(flops, pool, SequencePlacement.ALG1), "sampler": np.arange(dp * ga)}
+        for other in others.values():
+            assert best <= priced_step_seconds(other, layout, pool_seconds)
+        assert np.array_equal(order, others[name]) and name in CANDIDATES
+        again = place_sequences(flops, pool, SequencePlacement.SYNC, layout, pool_seconds)
+        assert np.array_equal(again, order)  # the entry point runs it, deterministically
+
+
+def test_priced_lanes_beat_the_f_proxy_when_seconds_are_not_f():
+    """On skewed pools the priced order is strictly faster than the F-proxy one in some window (it can fail:
+    a placement that ignored ``pool_seconds`` would tie everywhere)."""
+    layout = SyncLayout(8, 2, 4, pipeline_parallel_size=2)
+    gains = []
+    for seed in range(6):
+        flops, pool_seconds = _skewed_window(seed, 32)
+        sync = place_for_sync(flops, layout)
+        priced = place_sequences(flops, 2, SequencePlacement.SYNC, layout, pool_seconds)
+        gains.append(priced_step_seconds(sync, layout, pool_seconds) / priced_step_seconds(priced, layout, pool_seconds))
+    assert min(gains) >= 1.0 and max(gains) > 1.05
+
+
+def test_pool_seconds_are_read_only_where_lanes_are_pipelines():
+    flops, pool_seconds = _skewed_window(1, 32)
+    for layout in (SyncLayout(8, 2, 4),  # PP = 1: lane totals, the F proxy
+                   SyncLayout(32, 2, 1, pipeline_parallel_size=2),  # GA = 1: nothing to order
+                   SyncLayout(8, 8, 4, pipeline_parallel_size=2),  # DP = P: one lane keeps per-instance balance
+                   SyncLayout(8, 2, 4, pipeline_parallel_size=2, expert_parallel_size=8)):  # EP ties the lanes
+        assert not priced_lanes_apply(layout)
+        with_seconds = place_sequences(flops, layout.pool_size, SequencePlacement.SYNC, layout, pool_seconds)
+        assert np.array_equal(with_seconds, place_for_sync(flops, layout))
+    assert priced_lanes_apply(SyncLayout(8, 2, 4, pipeline_parallel_size=2))
+
+
+def test_bad_pool_seconds_are_a_clear_error():
+    layout = SyncLayout(8, 2, 4, pipeline_parallel_size=2)
+    flops = np.arange(1.0, 33.0)
+    with pytest.raises(ValueError, match="pool_seconds gave 3 forward"):
+        place_sequences(flops, 2, SequencePlacement.SYNC, layout, lambda pools: (np.ones(3), np.ones(3)))
+    with pytest.raises(ValueError, match="finite seconds >= 0"):
+        place_sequences(flops, 2, SequencePlacement.SYNC, layout,
+                        lambda pools: (np.full(len(pools), np.nan), np.ones(len(pools))))

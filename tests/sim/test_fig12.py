@@ -76,7 +76,8 @@ def test_libra_samples_are_the_pool_maxima_of_the_shipped_placement_per_replica_
     assert raw.shape == (num_windows, 4, 4)
     for w in range(num_windows):
         ids = np.arange(w * 16, (w + 1) * 16)
-        order = place_sequences(corpus.flops[ids], 2, spec.sequence_placement, spec.sync_layout(2))
+        order = place_sequences(corpus.flops[ids], 2, spec.sequence_placement, spec.sync_layout(2),
+                                R.window_pool_seconds(corpus, ids, 2, spec))  # PP=2: pools priced by the proxy
         for k in range(8):  # pool k: GA step k*P // DP = k // 2, lane k % 2 = replicas 2*(k % 2), 2*(k % 2) + 1
             pool = ev.evaluate(ids[order[2 * k:2 * k + 2]], knobs, spec.tile_placement, (k % 2) * 2 * 2)
             expected = pool.fwd_seconds.max()  # the exchange couples the pool: it waits for its slowest worker

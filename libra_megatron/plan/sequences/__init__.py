@@ -4,18 +4,20 @@
     lanes       sync-aware VRSP: balance what the step waits for (lane totals; pipelines at PP > 1)
     sync        the synchronisation model: lanes, EP ties, Megatron's pipeline schedules, DP at step end
     placement   ``place_sequences`` (the one entry point) and ``assign_to_ranks``
-    priced_lanes  PP > 1 study: each lane's grouping and microbatch order by priced pool seconds (not yet run by
-                the sampler: it needs the planner's look-ahead)
+    priced_lanes  PP > 1: each lane's grouping and microbatch order by priced pool seconds, guarded by the sync
+                model against the F-proxy order, Algorithm 1's and the sampler's
+    pool_proxy  priced pools without plans: a pool's layer seconds from its documents (fitted on priced plans)
 
 Every order is a permutation of the step's sequences: the sample multiset is kept by construction.
 Imports ``plan.model`` only.
 """
-from .lanes import lane_loads, place_for_sync, sync_proxy_seconds
+from .lanes import lane_loads, place_for_sync, priced_lanes_apply, sync_proxy_seconds
 from .placement import assign_to_ranks, place_sequences
+from .pool_proxy import PoolProxy, SequenceStats
 from .sync import (SIM_FLAGS, PipelineRun, PipelineSchedule, StepTiming, SyncLayout, lane_of_pool, pipeline_schedule,
                    pool_step_timing, run_lane_pipelines, step_timing)
 from .vrsp import pool_loads
 
-__all__ = ["lane_loads", "place_for_sync", "sync_proxy_seconds", "assign_to_ranks", "place_sequences", "SIM_FLAGS",
+__all__ = ["lane_loads", "place_for_sync", "priced_lanes_apply", "sync_proxy_seconds", "assign_to_ranks", "place_sequences", "SIM_FLAGS",
            "PipelineRun", "PipelineSchedule", "StepTiming", "SyncLayout", "lane_of_pool", "pipeline_schedule",
-           "pool_step_timing", "run_lane_pipelines", "step_timing", "pool_loads"]
+           "pool_step_timing", "run_lane_pipelines", "step_timing", "pool_loads", "PoolProxy", "SequenceStats"]

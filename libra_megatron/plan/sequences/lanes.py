@@ -26,7 +26,8 @@ they are dealt to lanes by exact-cardinality LPT over pool loads plus the same s
 microbatches are put in the order (as dealt, lightest first, heaviest first, lightest at both ends) whose
 pipeline is shortest under the proxy; the guard of step 4 follows. (Like-with-like pools at PP=2, 6 windows:
 wikipedia 3.17 vs 4.55 x the lower bound, but linux 1.325 vs 1.142: uneven microbatches cost bubbles, and
-the planner's F proxy cannot see the exchange bytes that would decide between them.)
+the planner's F proxy cannot see the exchange bytes that would decide between them; ``place_sequences`` with the
+sampler's pool prices runs ``plan.sequences.priced_lanes`` instead, which can, and keeps this order as one candidate.)
 When an EP group ties lanes (``SyncLayout.ep_ties_lanes``), tied lanes wait for each other at every MoE
 layer, so balancing lane totals does not help: the per-instance ``refined`` order is used. Deterministic
 (stable sorts, fixed tie-breaks); the output is a permutation, so the step's sample multiset is kept.
@@ -39,7 +40,7 @@ from .vrsp import place_alg1, place_refined, pool_loads
 from .sync import SyncLayout, pool_step_timing, run_lane_pipelines
 
 __all__ = ["place_for_sync", "lane_loads", "sync_proxy_seconds", "lane_members", "like_with_like",
-           "microbatch_orders"]
+           "microbatch_orders", "priced_lanes_apply"]
 
 
 def lane_loads(flops, order, data_parallel_size: int, pool_size: int) -> np.ndarray:
@@ -61,17 +62,29 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
     if flops.size != gbs:
         raise ValueError(f"the window has {flops.size} sequences but GA*DP = {layout.num_microbatches}*"
                          f"{layout.data_parallel_size} = {gbs}")
-    if layout.ep_ties_lanes or layout.num_lanes == 1 or layout.num_microbatches == 1:
-        # nothing to gain from lanes: tied, a single lane, or lanes == instances
+    if not _lanes_run_apart(layout):  # nothing to gain from lanes: tied, a single lane, or lanes == instances
         return place_refined(flops, layout.pool_size)
+    alg1 = place_alg1(flops, layout.pool_size)
     if layout.pipeline_parallel_size > 1:
-        by_lanes = _instances_to_lanes(flops, layout)
+        by_lanes = _instances_to_lanes(flops, layout, alg1)
     else:
         by_lanes = _lanes_then_microbatches(flops, layout)
-    alg1 = place_alg1(flops, layout.pool_size)
     if sync_proxy_seconds(flops, alg1, layout) < sync_proxy_seconds(flops, by_lanes, layout):
         return alg1
     return by_lanes
+
+
+def _lanes_run_apart(layout: SyncLayout) -> bool:
+    return not (layout.ep_ties_lanes or layout.num_lanes == 1 or layout.num_microbatches == 1)
+
+
+def priced_lanes_apply(layout: SyncLayout) -> bool:
+    """Whether the PP > 1 placement by priced pools (``plan.sequences.priced_lanes``) runs under ``layout``:
+    pipelines (PP > 1) whose lanes run apart (no EP tie, several lanes, GA > 1). With one lane (DP = P) the
+    per-instance order stays: pricing it would make the step faster under the model (DP4 PP2 P4, 6 windows:
+    linux 256K 1.166 -> 1.086, wikipedia 1.696 -> 1.540 x the bound) but its worst microbatch 3-5x the mean,
+    which the paper's Fig. 12 and the ``libra/microbatch_*`` scalars hold against the sampler order (issue 26)."""
+    return layout.pipeline_parallel_size > 1 and _lanes_run_apart(layout)
 
 
 def lane_members(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
@@ -117,11 +130,11 @@ def _order_microbatches(flops: np.ndarray, grid: np.ndarray, layout: SyncLayout)
     return np.take_along_axis(grid, chosen[:, :, None], axis=0)
 
 
-def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
+def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout, alg1: np.ndarray) -> np.ndarray:
     """PP > 1: Algorithm 1's pool instances, dealt to lanes (exact-cardinality LPT over pool loads, then swaps)
     and ordered inside each lane (``_order_microbatches``)."""
     ga, pool = layout.num_microbatches, layout.pool_size
-    pools = place_alg1(flops, pool).reshape(-1, pool)  # [K, P]
+    pools = alg1.reshape(-1, pool)  # [K, P]: Algorithm 1's order
     loads = flops[pools].sum(axis=1)
     by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
     grid = pools[by_lane.T]  # [GA, lanes, P]

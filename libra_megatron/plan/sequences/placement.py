@@ -4,13 +4,14 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from ...config import SequencePlacement
 from ..model import check_pool_split
-from .lanes import place_for_sync
+from .lanes import place_for_sync, priced_lanes_apply
+from .priced_lanes import PoolSeconds, place_for_pipelines
 from .vrsp import _as_flops, place_alg1, place_contiguous, place_refined
 
 __all__ = ["place_sequences", "assign_to_ranks"]
@@ -24,11 +25,15 @@ _PLACERS: Dict[SequencePlacement, Callable[[np.ndarray, int], np.ndarray]] = {
 }
 
 
-def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, layout=None) -> np.ndarray:
+def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, layout=None,
+                    pool_seconds: Optional[PoolSeconds] = None) -> np.ndarray:
     """VRSP: a permutation of ``range(GBS)`` in GA-major, pool-minor order (pool k = order[k*P:(k+1)*P]).
 
     ``flops``: float64 (GBS,) Eq. 4 workloads. ``pool_size``: P, must divide GBS. ``layout``: the step's
-    ``plan.sequences.sync.SyncLayout`` (read by SYNC only; its pool size must be P). Deterministic. Returns int64 (GBS,).
+    ``plan.sequences.sync.SyncLayout`` (read by SYNC only; its pool size must be P). ``pool_seconds`` (SYNC with a
+    layout at PP > 1 whose lanes run apart, ``lanes.priced_lanes_apply``): pools [n, P] of window positions ->
+    their (forward, backward) layer seconds (``pool_proxy.PoolProxy.pricer``); the order is then the fastest of
+    ``priced_lanes.place_for_pipelines``' candidates under it. Deterministic. Returns int64 (GBS,).
     """
     flops = _as_flops(flops)
     check_pool_split(flops.size, pool_size)
@@ -36,7 +41,10 @@ def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, lay
     if method is SequencePlacement.SYNC and layout is not None:
         if layout.pool_size != pool_size:
             raise ValueError(f"the sync layout's pool size {layout.pool_size} differs from pool_size (P) {pool_size}")
-        return place_for_sync(flops, layout)
+        order = place_for_sync(flops, layout)
+        if pool_seconds is not None and priced_lanes_apply(layout):
+            order, _ = place_for_pipelines(flops, layout, pool_seconds, order)
+        return order
     return _PLACERS[method](flops, pool_size)
 
 

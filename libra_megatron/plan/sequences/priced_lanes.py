@@ -1,29 +1,37 @@
 """Priced lanes (issue 26, PP > 1): each lane's pool grouping and microbatch order chosen by priced pool seconds.
 
-Pure Python + numpy. At PP > 1 the shipped sync placement (``lanes.place_for_sync``) deals Algorithm 1's pools to
-lanes and orders each lane's microbatches by F = sum l^2, a proxy that cannot see exchange time or the floor a
-long document puts under a pool. Here the lanes are cut as at PP = 1 (Algorithm 1 into groups of GA*P plus
-swaps, on F), and inside every lane the candidate groupings (``lane_groupings``: like with like, Algorithm 1 over
-the lane) are priced pool by pool -- seconds of the plan TAP makes for the pool, forward and backward, from the
-time model -- and the lane keeps the grouping and microbatch order whose simulated pipeline is shortest
-(``choose_lane``). A lane decides from its own pools only: lanes meet at the step's gradient reduction, so the
-choice of one lane does not change another's time.
+Pure Python + numpy. At PP > 1 a lane is a pipeline, so uneven microbatches cost bubbles, and what a pool
+instance costs is not its F = sum l^2: a long document's K/V prefix, the exchange TAP needs and the per-token
+copies are priced by the whole-layer model, not by F. Here the lanes are cut as at PP = 1 (Algorithm 1 into
+groups of GA*P plus swaps, on F), and inside every lane the candidate groupings (``lane_groupings``: like with
+like, Algorithm 1 over the lane) are priced pool by pool -- ``pool_seconds(pools)`` gives every pool's forward
+and backward seconds -- and the lane keeps the grouping and microbatch order whose simulated pipeline is
+shortest (``choose_lanes``). A lane decides from its own pools only: lanes meet at the step's gradient
+reduction, so the choice of one lane does not change another's time.
 
-Not yet run by the Megatron sampler: it emits a window's order before its pools are planned, and this needs the
-plans of every candidate pool of a lane first (the planner's look-ahead). ``benchmarks/bench_pp_priced_lanes.py``
-measures what it would gain under the model. Every order is a permutation of the window (the multiset is kept).
+``place_for_pipelines`` is what ``place_sequences(..., SYNC, layout, pool_seconds)`` runs at PP > 1: the priced
+lanes, the F-proxy sync order (``lanes.place_for_sync``), Algorithm 1's order and the sampler order are scored by
+the same sync model with the same pool seconds (``priced_step_seconds``) and the fastest is kept (ties: that
+order), so it is never slower than Algorithm 1's or the sampler's under the model it is given. The sampler and
+the simulator give it ``plan.sequences.pool_proxy`` (priced pools without plans: VRSP runs before the planner);
+``benchmarks/bench_pp_priced_lanes.py`` gives it the plans' own priced seconds to measure what the proxy leaves.
+Every order is a permutation of the window (the multiset is kept). Deterministic.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from .lanes import lane_members, like_with_like, microbatch_orders
 from .sync import SyncLayout, run_lane_pipelines
-from .vrsp import place_alg1
+from .vrsp import place_alg1, place_contiguous
 
-__all__ = ["GROUPINGS", "lane_groupings", "microbatch_orders", "choose_lane", "assemble_order"]
+__all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lane", "choose_lanes",
+           "assemble_order", "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "PoolSeconds"]
+
+PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
+CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
 
 GROUPINGS = ("like", "alg1")
 
@@ -42,29 +50,73 @@ def lane_groupings(flops, layout: SyncLayout) -> List[Dict[str, np.ndarray]]:
     return out
 
 
-def choose_lane(priced: Dict[str, Tuple[np.ndarray, np.ndarray]], layout: SyncLayout) -> Tuple[str, np.ndarray, float]:
-    """(grouping name, microbatch order [GA], makespan) of one lane: ``priced[name]`` = (forward, backward)
-    seconds [GA] of that grouping's pools (one attention layer, the pool's slowest worker per phase). Every
-    grouping's every ``microbatch_orders`` candidate runs through the lane's pipeline (``run_lane_pipelines``);
-    the shortest wins, ties keeping the earlier grouping (``GROUPINGS`` order) and order."""
-    unknown = sorted(set(priced) - set(GROUPINGS))
-    if unknown:
-        raise ValueError(f"unknown groupings {unknown}: priced lanes compares {GROUPINGS}")
-    best = None
-    for name in (g for g in GROUPINGS if g in priced):
-        fwd, bwd = (np.asarray(x, dtype=np.float64).reshape(-1) for x in priced[name])
-        if fwd.size != layout.num_microbatches or bwd.size != fwd.size:
-            raise ValueError(f"grouping {name!r}: {fwd.size} forward / {bwd.size} backward seconds for "
-                             f"GA = {layout.num_microbatches} pools")
-        orders = microbatch_orders(fwd + bwd)
-        spans = run_lane_pipelines(np.stack([fwd[o] for o in orders], axis=1), layout,
-                                   np.stack([bwd[o] for o in orders], axis=1)).makespan
-        k = int(np.argmin(spans))
-        if best is None or spans[k] < best[2]:
-            best = (name, orders[k], float(spans[k]))
-    if best is None:
-        raise ValueError(f"no grouping priced: expected some of {GROUPINGS}, got {sorted(priced)}")
-    return best
+def choose_lanes(fwd, bwd, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
+    """(grouping int64 [lanes], microbatch order int64 [GA, lanes]) of every lane: ``fwd``, ``bwd`` [G, GA, lanes]
+    = seconds of grouping g's pools (one attention layer, the pool's slowest worker per phase). Every grouping's
+    every ``microbatch_orders`` candidate runs through the lane's pipeline (``run_lane_pipelines``, all in one
+    call); the shortest wins, ties keeping the earlier grouping (``GROUPINGS`` order), then the earlier order."""
+    fwd, bwd = (np.asarray(x, dtype=np.float64) for x in (fwd, bwd))
+    if fwd.ndim != 3 or fwd.shape != bwd.shape or fwd.shape[1] != layout.num_microbatches:
+        raise ValueError(f"choose_lanes needs forward and backward seconds [groupings, GA = {layout.num_microbatches}, "
+                         f"lanes], got {fwd.shape} and {bwd.shape}")
+    groupings, ga, lanes = fwd.shape
+    total = (fwd + bwd).transpose(1, 0, 2)  # [GA, G, lanes]
+    orders = microbatch_orders(total)  # each [GA, G, lanes]
+    f, b = fwd.transpose(1, 0, 2), bwd.transpose(1, 0, 2)
+    cols_f = np.stack([np.take_along_axis(f, o, axis=0) for o in orders], axis=2)  # [GA, G, O, lanes]
+    cols_b = np.stack([np.take_along_axis(b, o, axis=0) for o in orders], axis=2)
+    spans = run_lane_pipelines(cols_f.reshape(ga, -1), layout, cols_b.reshape(ga, -1)).makespan
+    best = spans.reshape(groupings * len(orders), lanes).argmin(axis=0)  # grouping-major: the first minimum
+    grouping, which = best // len(orders), best % len(orders)
+    chosen = np.stack([orders[o][:, g, lane] for lane, (g, o) in enumerate(zip(grouping.tolist(), which.tolist()))],
+                      axis=1)
+    return grouping.astype(np.int64), chosen.astype(np.int64)
+
+
+def _checked_seconds(pool_seconds: PoolSeconds, pools: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    fwd, bwd = (np.asarray(x, dtype=np.float64).reshape(-1) for x in pool_seconds(pools))
+    n = pools.shape[0]
+    if fwd.size != n or bwd.size != n:
+        raise ValueError(f"pool_seconds gave {fwd.size} forward / {bwd.size} backward seconds for {n} pools")
+    if not (np.isfinite(fwd).all() and np.isfinite(bwd).all() and (fwd >= 0).all() and (bwd >= 0).all()):
+        raise ValueError("pool_seconds must give finite seconds >= 0 for every pool")
+    return fwd, bwd
+
+
+def priced_lane_order(flops, layout: SyncLayout, pool_seconds: PoolSeconds) -> np.ndarray:
+    """The priced-lanes order (module docstring): int64 (GBS,) permutation, GA-major, pool-minor."""
+    pool = layout.pool_size
+    grid = np.stack([np.stack([g[name] for name in GROUPINGS]) for g in lane_groupings(flops, layout)])  # [lanes, G, GA, P]
+    lanes, groupings, ga = grid.shape[:3]
+    fwd, bwd = _checked_seconds(pool_seconds, grid.reshape(-1, pool))
+    grouping, order = choose_lanes(fwd.reshape(lanes, groupings, ga).transpose(1, 2, 0),
+                                   bwd.reshape(lanes, groupings, ga).transpose(1, 2, 0), layout)
+    return assemble_order([grid[j, grouping[j]][order[:, j]] for j in range(lanes)], layout)
+
+
+def priced_step_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -> float:
+    """The step of ``order`` under the sync model (every lane's pipeline; the step waits for the slowest) with
+    pool instance k's forward and backward seconds from ``pool_seconds``."""
+    return float(_steps([order], layout, pool_seconds)[0])
+
+
+def _steps(orders: Sequence[np.ndarray], layout: SyncLayout, pool_seconds: PoolSeconds) -> np.ndarray:
+    """``priced_step_seconds`` of several orders: one ``pool_seconds`` call, one pipeline run."""
+    ga, lanes = layout.num_microbatches, layout.num_lanes  # pool k = g*lanes + j: lane j's g-th microbatch
+    pools = np.concatenate([np.asarray(o, dtype=np.int64).reshape(-1, layout.pool_size) for o in orders])
+    fwd, bwd = (x.reshape(len(orders), ga, lanes).transpose(1, 0, 2).reshape(ga, -1)
+                for x in _checked_seconds(pool_seconds, pools))
+    return run_lane_pipelines(fwd, layout, bwd).makespan.reshape(len(orders), lanes).max(axis=1)
+
+
+def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sync_order) -> Tuple[np.ndarray, str]:
+    """(order, its name in ``CANDIDATES``): the fastest of the priced lanes, ``sync_order`` (the F-proxy sync
+    placement), Algorithm 1's order and the sampler order under ``priced_step_seconds``; ties keep the earlier."""
+    flops = np.asarray(flops, dtype=np.float64).reshape(-1)
+    candidates = (priced_lane_order(flops, layout, pool_seconds), np.asarray(sync_order, dtype=np.int64),
+                  place_alg1(flops, layout.pool_size), place_contiguous(flops, layout.pool_size))
+    best = int(np.argmin(_steps(candidates, layout, pool_seconds)))  # the first of equal steps
+    return candidates[best], CANDIDATES[best]
 
 
 def assemble_order(chosen: Sequence[np.ndarray], layout: SyncLayout) -> np.ndarray:
