@@ -221,6 +221,25 @@ def test_pipelines_of_any_depth_pass_the_start_up_checks(monkeypatch, case, worl
     assert _startup_checks(monkeypatch, world_size, argv).pool_size == 1
 
 
+@needs_megatron_lm
+def test_the_samplers_pool_proxy_reads_megatron_lms_own_args(monkeypatch):
+    """PP=2 x DP=4 with P=2 (two lanes, GA 2): the layout where the sampler prices pools at PP > 1, built from
+    Megatron-LM's parsed args the way ``build_libra_data_loader`` builds it (heads per TP rank, --kv-channels,
+    --seq-length, CP, bf16), so a renamed Megatron argument fails here rather than in a user's run."""
+    from libra_megatron.megatron.sampler import pool_proxy_from_args, sync_layout_from_args
+    from libra_megatron.plan.sequences import priced_lanes_apply
+
+    parsed = []
+    argv = _replace(GOOD, "--num-layers", "4") + ["--pipeline-model-parallel-size", "2", "--libra-pool-size", "2",
+                                                  "--bf16"]
+    config = _startup_checks(monkeypatch, 8, argv, edit=parsed.append)
+    args = parsed[0]
+    assert priced_lanes_apply(sync_layout_from_args(args, 4, config.pool_size))
+    proxy = pool_proxy_from_args(args, config.pool_size)
+    assert (proxy.pool_size, proxy.context_parallel_size, proxy.seq_len, proxy.num_q_heads, proxy.num_kv_heads,
+            proxy.head_dim, proxy.elem_bytes) == (2, 1, 256, 4, 2, 16, 2)  # TINY_MODEL_ARGS: 4 heads, 2 groups, 16
+
+
 def _launch(args, env_extra=None, module="libra_megatron.launch", cwd=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(env_extra or {}))
     env.pop("LIBRA_DEBUG", None)
