@@ -95,10 +95,11 @@ class _FakeSampler:
     sequence_placement = "alg1"
     dataset = [[8], [6, 2], [3], [1, 1]]  # segment lengths of samples 0..3 -> Eq. 4 flops 64, 40, 9, 2
 
-    def placement_order(self, flops):
+    def placement_order(self, segments):  # the sampler's: the window's document lengths in, its order out
+        from libra_megatron.plan.model import sequence_flops
         from libra_megatron.plan.sequences import place_sequences
 
-        return place_sequences(flops, self.pool_size, self.sequence_placement)
+        return place_sequences(sequence_flops(segments), self.pool_size, self.sequence_placement)
 
     def window_indices(self, window):
         return np.arange(window * 4, window * 4 + 4)
