@@ -19,6 +19,7 @@ Every order is a permutation of the window (the multiset is kept). Deterministic
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -32,6 +33,7 @@ __all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "ch
 
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
 CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
+EXHAUSTIVE_GA = 5  # up to this many microbatches a lane tries every order (5! = 120), after microbatch_orders'
 
 GROUPINGS = ("like", "alg1")
 
@@ -53,15 +55,16 @@ def lane_groupings(flops, layout: SyncLayout) -> List[Dict[str, np.ndarray]]:
 def choose_lanes(fwd, bwd, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
     """(grouping int64 [lanes], microbatch order int64 [GA, lanes]) of every lane: ``fwd``, ``bwd`` [G, GA, lanes]
     = seconds of grouping g's pools (one attention layer, the pool's slowest worker per phase). Every grouping's
-    every ``microbatch_orders`` candidate runs through the lane's pipeline (``run_lane_pipelines``, all in one
-    call); the shortest wins, ties keeping the earlier grouping (``GROUPINGS`` order), then the earlier order."""
+    every candidate order (``microbatch_orders``, and every permutation up to ``EXHAUSTIVE_GA`` microbatches) runs
+    through the lane's pipeline (``run_lane_pipelines``, all in one call); the shortest wins, ties keeping the
+    earlier grouping (``GROUPINGS`` order), then the earlier order."""
     fwd, bwd = (np.asarray(x, dtype=np.float64) for x in (fwd, bwd))
     if fwd.ndim != 3 or fwd.shape != bwd.shape or fwd.shape[1] != layout.num_microbatches:
         raise ValueError(f"choose_lanes needs forward and backward seconds [groupings, GA = {layout.num_microbatches}, "
                          f"lanes], got {fwd.shape} and {bwd.shape}")
     groupings, ga, lanes = fwd.shape
     total = (fwd + bwd).transpose(1, 0, 2)  # [GA, G, lanes]
-    orders = microbatch_orders(total)  # each [GA, G, lanes]
+    orders = _lane_orders(total)  # each [GA, G, lanes]
     f, b = fwd.transpose(1, 0, 2), bwd.transpose(1, 0, 2)
     cols_f = np.stack([np.take_along_axis(f, o, axis=0) for o in orders], axis=2)  # [GA, G, O, lanes]
     cols_b = np.stack([np.take_along_axis(b, o, axis=0) for o in orders], axis=2)
@@ -71,6 +74,19 @@ def choose_lanes(fwd, bwd, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
     chosen = np.stack([orders[o][:, g, lane] for lane, (g, o) in enumerate(zip(grouping.tolist(), which.tolist()))],
                       axis=1)
     return grouping.astype(np.int64), chosen.astype(np.int64)
+
+
+def _lane_orders(total: np.ndarray) -> list:
+    """``microbatch_orders`` of ``total`` [GA, ...], then every permutation of the GA microbatches when GA <=
+    ``EXHAUSTIVE_GA`` (few microbatches per lane -- deep pipelines, large DP -- are where the order matters most:
+    wikipedia 256K PP=4, GA 4: 2.114 -> 2.091 x the bound, PP=2 1.900 -> 1.868)."""
+    orders = microbatch_orders(total)
+    ga = total.shape[0]
+    if ga <= EXHAUSTIVE_GA:
+        shape = (ga,) + (1,) * (total.ndim - 1)
+        orders += [np.broadcast_to(np.array(p, dtype=np.int64).reshape(shape), total.shape)
+                   for p in itertools.permutations(range(ga))]
+    return orders
 
 
 def _checked_seconds(pool_seconds: PoolSeconds, pools: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
