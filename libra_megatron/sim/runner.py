@@ -45,7 +45,7 @@ from ..config import PackingMode, SequencePlacement, TilePlacement
 from ..plan.layout import TokenLayout
 from ..plan.model import clt_expected_imbalance, imbalance, pool_lower_bound_counting, sequence_flops
 from ..plan.packing import num_packed_upper_bound, pack_documents
-from ..plan.sequences import SequenceStats, place_sequences, pool_loads
+from ..plan.sequences import SequenceStats, place_sequences, pool_loads, priced_lanes_apply
 from .baselines import sequence_pair_heads, ulysses_layer_seconds, ulysses_worker_seconds, wlb_repack
 from .hybrid_cp import HybridCpBaseline, HybridCpDims
 from .pools import PoolEvaluator, PoolKnobs, PoolResult, SaveRule
@@ -234,8 +234,11 @@ def sequence_stats(corpus: "_Corpus", ids: np.ndarray) -> SequenceStats:
 
 
 def window_pool_seconds(corpus: "_Corpus", ids: np.ndarray, pool_size: int, spec: SimSpec):
-    """The ``pool_seconds`` the sync placement prices a window's candidate pools with at PP > 1: the proxy of
-    ``spec.pool_proxy`` on the window's sequences, as the sampler builds it."""
+    """The ``pool_seconds`` the sync placement prices a window's candidate pools with: the proxy of
+    ``spec.pool_proxy`` on the window's sequences where the priced placement runs (``priced_lanes_apply``), else
+    None -- as the sampler builds it (``megatron.sampler.build_libra_data_loader``)."""
+    if not priced_lanes_apply(spec.sync_layout(pool_size)):
+        return None
     return spec.pool_proxy(pool_size).pricer(sequence_stats(corpus, ids))
 
 

@@ -13,10 +13,10 @@ and pool size):
     documents documents x 1024 x K|V bytes per token / inter-node rate / W   per-document K/V groups
     tokens    P x L x (Q + K|V bytes per token) / W / 1 TB/s    the per-token copies of every worker
 
-The weights (``FORWARD_WEIGHTS``, ``BACKWARD_WEIGHTS``) are fitted by ``benchmarks/fit_pool_proxy.py`` (minimum
-relative squared error) against the priced layer of the plans the planner makes -- the dense placement at the
-shipped knobs, peers coupled, forward and backward apart -- on real pools of the two shipped traces at 256K
-(Qwen3-30B-A3B and Qwen3-8B heads) and 1M; ``tests/plan/test_pool_proxy.py`` checks the proxy against freshly
+The weights (``FORWARD_WEIGHTS``, ``BACKWARD_WEIGHTS``) are fitted by ``benchmarks/fit_pool_proxy.py`` (non-negative
+least squares on relative error) against the priced layer of the plans the planner makes -- the dense placement at
+the shipped knobs, peers coupled, forward and backward apart -- on real pools of the two shipped traces at 256K
+(Qwen3-30B-A3B and Qwen3-8B heads) and 1M; ``tests/sim/test_pool_proxy_prices.py`` checks the proxy against freshly
 priced plans. Heads are per TP rank (a pool's workers share one TP rank).
 """
 from __future__ import annotations
@@ -53,17 +53,17 @@ class SequenceStats:
     def of(segments: Sequence[Sequence[int]]) -> "SequenceStats":
         """From every sequence's document lengths (> 0; at least one per sequence), in one pass over all of them:
         F equals ``plan.model.sequence_flops`` exactly (integer-valued float64 sums below 2**53)."""
-        counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=len(segments))
-        if counts.size and counts.min() < 1:
-            raise ValueError(f"sequence {int(np.argmin(counts))}: a packed sequence needs at least one document")
-        lengths = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1) for s in segments]) if counts.size \
-            else np.zeros(0)
-        if (lengths <= 0).any():
-            first = int(np.searchsorted(np.cumsum(counts), int(np.argmax(lengths <= 0)), side="right"))
-            raise ValueError(f"sequence {first}: document lengths must be positive, got min {lengths.min()}")
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        if not counts.size:
+        if len(segments) == 0:
             return SequenceStats(np.zeros(0), np.zeros(0), np.zeros(0))
+        counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=len(segments))
+        if counts.min() < 1:
+            raise ValueError(f"sequence {int(np.argmin(counts))}: a packed sequence needs at least one document")
+        lengths = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1) for s in segments])
+        ends = np.cumsum(counts)
+        if (lengths <= 0).any():
+            first = int(np.searchsorted(ends, int(np.argmax(lengths <= 0)), side="right"))
+            raise ValueError(f"sequence {first}: document lengths must be positive, got min {lengths.min()}")
+        starts = ends - counts
         return SequenceStats(np.add.reduceat(lengths * lengths, starts), np.maximum.reduceat(lengths, starts),
                              counts.astype(np.float64))
 
@@ -109,11 +109,15 @@ class PoolProxy:
         flops = stats.flops[pools]
         mean = flops.mean(axis=1, keepdims=True)
         per_pair_head = 4.0 * self.head_dim / (self.attn_tflops * TFLOP)
+
+        def kernel_seconds(f):  # F/2 query-key pairs x heads at the peak rate, spread over W workers
+            return f / 2.0 * self.num_q_heads * per_pair_head / W
+
         kv_bytes = 2 * self.num_kv_heads * self.head_dim * self.elem_bytes  # K|V of one token, all kv heads
         q_bytes = self.num_q_heads * self.head_dim * self.elem_bytes
         inter = self.inter_node_gbps * GB
-        compute = flops.sum(axis=1) / 2.0 * self.num_q_heads * per_pair_head / W
-        excess = np.maximum(flops - mean, 0.0).sum(axis=1) / 2.0 * self.num_q_heads * per_pair_head / W
+        compute = kernel_seconds(flops.sum(axis=1))
+        excess = kernel_seconds(np.maximum(flops - mean, 0.0).sum(axis=1))
         prefix = stats.max_doc[pools].max(axis=1) * kv_bytes / inter
         documents = stats.num_docs[pools].sum(axis=1) * _DOCUMENT_TOKENS * kv_bytes / inter / W
         tokens = np.full(pools.shape[0], self.pool_size * self.seq_len * (q_bytes + kv_bytes) / W / _TOKEN_BYTES_PER_SECOND)

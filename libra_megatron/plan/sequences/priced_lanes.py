@@ -28,8 +28,7 @@ from .lanes import lane_members, like_with_like, microbatch_orders
 from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1, place_contiguous
 
-__all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lane", "choose_lanes",
-           "assemble_order", "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "PoolSeconds"]
+__all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lanes", "assemble_order", "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "PoolSeconds"]
 
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
 CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
