@@ -21,11 +21,12 @@ chosen by ``plan.model.timing.best_lead``). In between, chunk by chunk: wait its
 chunk whose local entries ran after its return left sent uninitialised self rows; its self segment is copied
 into the output again once every return was placed. Receive buffers of all M dispatches can be alive at once
 (each freed when placed): at most the arranged Q and K|V of one layer, which ARRANGED mode keeps anyway.
-Relay (a pool whose plan relays K/V between nodes, ``plan.exchange``): when a K/V-sending chunk's dispatch has
-arrived, every rank forwards the relayed rows it holds from its arranged K|V along the relay route, on the
-relay group (a second communicator over the pool's ranks, so the relay does not queue behind the other
-chunks' dispatches); a rank that receives relayed rows places them before its remote entries, a rank that
-only sends waits for its sends at the end of the forward. In backward the relayed rows' dK|dV go back to
+Relay (a pool whose plan relays K/V between nodes, ``plan.exchange``, ``runtime.relay``): when a K/V-sending
+chunk's dispatch has arrived, every rank forwards the relayed rows it holds from its arranged K|V along the relay
+route, on the relay group (a second communicator over the pool's ranks, so the relay does not queue behind the
+other chunks' dispatches); a rank that sends no relayed row issues its relay with the dispatch (``relay_early``);
+a rank that receives relayed rows places them before its remote entries, a rank that only sends waits for its
+sends at the end of the forward. In backward the relayed rows' dK|dV go back to
 the relay (added into its arranged dK|dV, in fp32) before the relay returns dK|dV home; where a kernel follows
 the next one (m + 2 < M) that relay inverse travels during the next chunk's kernel and is waited after it (its
 fp32 dK|dV alive one chunk longer: ``plan.model.memory.deferred_relay_bytes``), else at once (deferred, the home
@@ -59,6 +60,7 @@ from ..config import KernelBackendName
 from ..plan.exchange import RankPlan, rank_tables
 from .checks import ensure_plan_verified
 from .kernels import resolve_backend
+from .relay import relay_back, relay_early, relay_forward
 from .routes import DeviceTables, ExchangeStats, device_tables, start_exchange
 
 __all__ = ["libra_attn_func", "SaveMode", "ExchangeStats"]
@@ -117,6 +119,11 @@ def _views(q, k, v, heads):
     return qv, k.reshape(kv_shape), v.reshape(kv_shape)
 
 
+def _chunk_rows(view, heads, m: int):
+    """Chunk m's rows of a Q/O/dQ chunk view (t*H*M, qp, d): the strided (t*H, qp, d) view of local units."""
+    return view.view(-1, heads.num_chunks, heads.q_piece, heads.head_dim)[:, m]
+
+
 def _dispatch_q(cx: _Ctx, src_view, m: int, kind: str):
     idx = cx.tables.chunks[m].q_fwd
     return start_exchange(src_view.index_select(0, idx.send_rows), idx, cx.group, cx.stats, kind)
@@ -132,24 +139,6 @@ def _return(cx: _Ctx, arranged, m: int, which: str, kind: str, wire_dtype: torch
     """Send arranged rows home along an inverse route, cast to ``wire_dtype`` (once, after the gather)."""
     idx = getattr(cx.tables.chunks[m], which)
     return start_exchange(arranged.index_select(0, idx.send_rows).to(wire_dtype), idx, cx.group, cx.stats, kind)
-
-
-def _relay(cx: _Ctx, kv_arr, kind: str = "kv"):
-    """Forward the relayed rows of an arranged K|V (the chunk's dispatch has been placed); None without a relay.
-    Returns the pending exchange: ``into(kv_arr)`` places what this rank receives."""
-    relay = cx.tables.relay
-    if relay is None:
-        return None
-    return start_exchange(kv_arr.index_select(0, relay.fwd.send_rows), relay.fwd, cx.relay_group, cx.stats, kind)
-
-
-def _relay_back(cx: _Ctx, dkv_arr):
-    """Backward of the relay, issued: the dK|dV of relayed rows go to their relay, which adds them into its arranged
-    dK|dV before it returns dK|dV home. The pending exchange (``into(dkv_arr)`` adds them), None without a relay."""
-    relay = cx.tables.relay
-    if relay is None:
-        return None
-    return start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats, "dkv")
 
 
 def _packed_kv(cx: _Ctx, kv_arr):
@@ -206,9 +195,11 @@ class _Chunk:
     """One chunk's destination side: its arranged buffers, O and lse, and -- under the local-first split
     (``plan.exchange.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
 
-    def __init__(self, cx: _Ctx, m: int, pending, split: bool):
+    def __init__(self, cx: _Ctx, m: int, pending, split: bool, like: torch.Tensor):
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
         self.split = split
+        self.relay_pend = None if self.kv_pend is None or cx.tables.relay is None else \
+            relay_early(cx, cx.tables.relay.fwd, like, like.dtype, "kv")  # issued with the dispatch
         self.whole = self.split and cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None  # one call
         self.o_arr = self.lse = self.kv_arr = None
         self.head = None  # (out, lse) over split entries' keys before their tails, until the tails are in
@@ -236,14 +227,16 @@ class _Chunk:
     def arrive(self, sends_only: list) -> None:
         """Wait for the dispatch and place what other ranks sent; then the relay of the chunk's K|V (placed
         here when this rank receives relayed rows, else appended to ``sends_only`` to be waited at the end)."""
-        if self.split:
-            self.q_pend.rest_placed(self.q_arr)
+        if self.split:  # a new buffer where the received rows fill it (``PendingExchange.rest_placed``)
+            self.q_arr = self.q_pend.rest_placed(self.q_arr)
             if self.kv_pend is not None:
-                self.kv_pend.rest_placed(self.kv_arr)
+                self.kv_arr = self.kv_pend.rest_placed(self.kv_arr)
         else:
             self.q_arr = self.q_pend.placed()
             self.kv_arr = self.kv_pend.placed() if self.kv_pend is not None else None
-        relayed = _relay(self.cx, self.kv_arr) if self.kv_pend is not None else None
+        relayed = self.relay_pend
+        if relayed is None and self.kv_pend is not None:
+            relayed = relay_forward(self.cx, self.kv_arr)
         if relayed is not None:
             if self.cx.tables.relay.receives:
                 relayed.into(self.kv_arr)
@@ -287,7 +280,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
     lead = _lead(cx, M)
     split = cx.tables.local is not None and lead <= M
     chunks = [_Chunk(cx, m, (_dispatch_q(cx, qv, m, "q"), _dispatch_kv(cx, kv_, vv, m, "kv") if sends[m] else None),
-                     split) for m in range(M)]
+                     split, kv_) for m in range(M)]
     lead = lead if split else 0
     for m in range(lead):
         chunks[m].local(_kv_source(chunks, m))
@@ -299,8 +292,8 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
         returns.append(_return(cx, o_send, m, "q_inv", "o", q.dtype))
     for m in range(lead, M):
         chunks[m].local(_kv_source(chunks, m))
-    for pending in returns:
-        pending.into(out_view)
+    for m, pending in enumerate(returns):
+        pending.into(_chunk_rows(out_view, heads, m))
     for pending in relay_sends:
         pending.wait()
     if split:
@@ -350,7 +343,7 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
         q_arr, o_arr = pending["q"].placed(), pending["o"].placed()
         if "kv" in pending:
             kv_arr = pending["kv"].placed()
-            relayed = _relay(cx, kv_arr, "kv_bwd")
+            relayed = relay_forward(cx, kv_arr, "kv_bwd")
             if relayed is not None:
                 relayed.into(kv_arr)
         (lse,) = saved_m
@@ -385,12 +378,14 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
 
     for m in range(heads.num_chunks):
         current = incoming
+        early = relay_early(cx, cx.tables.relay.inv, dout, cx.acc_dtype, "dkv") \
+            if returns[m] and local is None and cx.tables.relay is not None else None  # before the kernel
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
-        relayed = _relay_back(cx, dkv_arr) if returns[m] else None  # first: nothing queues ahead of it on the link
+        relayed = early if early is not None or not returns[m] else relay_back(cx, dkv_arr)  # ahead of the returns
         returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
-        returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), dq_view))
+        returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), _chunk_rows(dq_view, heads, m)))
         if returns[m]:
             if relayed is not None and heads.relay_inverse_deferred()[m]:  # home after kernel m+1, beside m+2
                 deferred = (relayed, dkv_arr, m)

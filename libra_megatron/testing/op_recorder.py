@@ -16,7 +16,8 @@ process, it lists in issue order
               ``libra_megatron.runtime``, outside kernel calls and the device-table upload; and the dense
               kernels there: ``torch.cat`` ("elementwise": bytes of the result), ``Tensor.to`` that changes the
               dtype ("widen" to a larger element, else "elementwise": mean of bytes read and written) and
-              ``Tensor.new_zeros`` ("elementwise": half the bytes of the result)
+              ``Tensor.new_zeros`` ("elementwise": half the bytes of the result), ``Tensor.copy_`` ("elementwise":
+              bytes of the destination)
 
 and hands them back with ``take()`` (the ops since the last take; exchange numbers restart at 0). Nothing is patched outside the ``with``
 block: the runtime's code path carries none of this. ``tests/runtime/test_op_list.py`` compares the lists with
@@ -36,7 +37,7 @@ from ..plan.model import Copy, Exchange, Kernel, Wait
 __all__ = ["OpRecorder", "record_ops", "causal_pairs"]
 
 _COPY_METHODS = (("index_select", "gather"), ("index_put_", "place"), ("index_add_", "add"))
-_DENSE_METHODS = (("to", "cast"), ("new_zeros", "fill"))
+_DENSE_METHODS = (("to", "cast"), ("new_zeros", "fill"), ("copy_", "copy"))
 _RUNTIME = "libra_megatron.runtime"
 
 
@@ -164,7 +165,7 @@ class OpRecorder:
                 return original(*args, **kwargs)
             with recorder.quiet():
                 result = original(*args, **kwargs)
-            if kind == "cat":
+            if kind in ("cat", "copy"):
                 recorder.ops.append(Copy("elementwise", _nbytes(result)))
             elif kind == "fill":
                 recorder.ops.append(Copy("elementwise", _nbytes(result) // 2))

@@ -47,18 +47,36 @@ def _profile_us(case: str) -> dict:
 def _op_bytes(H: int, M: int) -> dict:
     """{kind: (bytes, calls with bytes)} of the P=1 plan's forward + backward op lists, as the profiled runtime
     issued them: it cast the fp32 dK|dV sums back in one call, the runtime now casts K and V apart (ecaca51: the
-    same bytes, one more call; contiguous dk, dv), so the last two casts count as the one profiled call."""
+    same bytes, one more call; contiguous dk, dv), so the last two casts count as the one profiled call; and it
+    placed the O and dQ returns (``_as_profiled``)."""
     heads = HeadLayout(32, 4, 128, H, M, elem_bytes=2)
     tiles = build_tiles([list(SEGS)], TokenLayout("contiguous", sum(SEGS), 1), heads, 4096)
     fwd, bwd = rank_layer_ops(build_exchange_plan(tiles, tiles.tile_home()).for_rank(0), "arranged", "pool")
     final = [op for op in bwd[-2:] if isinstance(op, Copy) and op.op == "elementwise" and op.chunk == -1]
     assert len(final) == 2 and final[0] == final[1], bwd[-2:]  # the two half casts of the sums, last in the list
     out = {k: [0, 0] for k in KERNELS}
-    for op in fwd + bwd:
+    for op in _as_profiled(fwd) + _as_profiled(bwd):
         if isinstance(op, Copy) and op.nbytes:
             out[op.op][0] += op.nbytes
             out[op.op][1] += 1
     out["elementwise"][1] -= 1
+    return out
+
+
+def _as_profiled(ops) -> list:
+    """The profiled runtime placed the O and dQ returns by one ``index_put_`` each; the runtime now gathers them
+    into unit order and copies them into the chunk's strided view (the same bytes in two calls): each such
+    gather + copy pair counts as the one profiled place."""
+    out, i = [], 0
+    while i < len(ops):
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(op, Copy) and op.op == "gather" and op.tag in ("o", "dq") and isinstance(nxt, Copy) and \
+                (nxt.op, nxt.nbytes, nxt.tag, nxt.chunk) == ("elementwise", op.nbytes, op.tag, op.chunk):
+            out.append(Copy("place", op.nbytes, op.tag, op.chunk))
+            i += 2
+            continue
+        out.append(op)
+        i += 1
     return out
 
 

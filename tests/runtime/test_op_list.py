@@ -291,6 +291,18 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
     places = sum(isinstance(op, Copy) and op.op == "place" for op in relay_ops)
     exchanges = sum(isinstance(op, Exchange) for op in relay_ops)
     assert world == 2 or 0 < places < exchanges, (places, exchanges)  # receivers and sends-only ranks
+    issued = {(phase, op.tag, _after_gather(phase_ops, i)) for per_rank in generated for ops in per_rank
+              for phase, phase_ops in zip(("f", "b"), ops) for i, op in enumerate(phase_ops)
+              if isinstance(op, Exchange) and op.tag in ("relay", "relay_back")}
+    # ranks that send relayed rows issue after gathering them; the others issue early, with nothing gathered
+    assert world == 2 or {(p, tag, g) for p, tag in (("f", "relay"), ("b", "relay_back")) for g in (True, False)} \
+        <= issued, issued
+
+
+def _after_gather(ops, i: int) -> bool:
+    """Whether op i of a list is issued right after a gather of its own rows (tag and chunk)."""
+    before = ops[i - 1] if i else None
+    return isinstance(before, Copy) and before.op == "gather" and (before.tag, before.chunk) == (ops[i].tag, ops[i].chunk)
 
 
 def test_a_reordered_backward_fails_the_comparison():

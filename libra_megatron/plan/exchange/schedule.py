@@ -27,6 +27,7 @@ from .runtime_tables import RankSizes, RouteSplits, rank_sizes
 __all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_content_key"]
 
 SAVE_MODES = ("arranged", "refetch")
+INVERSE_Q_TAGS = ("o", "dq")  # the returns along the inverse Q route: each fills its chunk's rows of the output
 
 
 @dataclass(frozen=True)
@@ -163,20 +164,29 @@ class _Rank:
         self.copy("gather" if whole else "place", sp.self_rows, row_bytes, tag, m)
 
     def rest_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
-        """Wait, place the rows before and after the self segment (each part only when it has rows)."""
+        """Wait; when the received rows fill the target, one gather of them all (self segment included), else
+        place the rows before and after the self segment (each part only when it has rows)."""
         self.wait(pending[0])
         sp = pending[1]
         lo, hi, total = sp.self_recv_offset, sp.self_recv_offset + sp.self_rows, sum(sp.recv)
+        if self._fills(tag) and sp.self_rows < total:  # (all rows its own: ``self_placed`` gathered them all)
+            self.copy("gather", total, row_bytes, tag, m)
+            return
         for rows in (lo, total - hi):
             if rows:
                 self.copy("place", rows, row_bytes, tag, m)
 
     def into(self, pending, row_bytes: int, accumulate: bool, tag: str, m: int, wire_bytes: Optional[int] = None) -> None:
         """``PendingExchange.into``: wait, cast the received rows from the wire dtype (``wire_bytes`` per row; None:
-        the target's) to the target's, then add or copy them."""
+        the target's) to the target's, then add them, or copy them: the inverse Q route (O, dQ) fills chunk m's
+        rows of the output, so one gather and one dense copy into that strided view; other routes place."""
         self.wait(pending[0])
         rows = sum(pending[1].recv)
         self.cast(rows, row_bytes if wire_bytes is None else wire_bytes, row_bytes, tag, m)
+        if not accumulate and tag in INVERSE_Q_TAGS:
+            self.copy("gather", rows, row_bytes, tag, m)
+            self.copy("elementwise", rows, row_bytes, tag, m)
+            return
         self.copy("add" if accumulate else "place", rows, row_bytes, tag, m)
 
     def relay(self, m: int, tag: str):
@@ -186,6 +196,15 @@ class _Rank:
             return None
         self.copy("gather", sum(sp.send), self.sz.kv, tag, m)
         return (self.exchange(sp, self.sz.kv, self.relay_comm, tag, m), sp)
+
+    def relay_early(self, splits: Optional[RouteSplits], row_bytes: int, tag: str, m: int):
+        """``runtime.relay.relay_early``: a rank that sends no row on a relay route issues its exchange at once, with
+        an empty send buffer (no gather), so a peer waiting for relayed rows never waits for this rank's other work;
+        None where the route is absent, this rank sends rows (it issues after they are computed) or the relay
+        shares the pool's communicator (an early issue would reorder that communicator's exchanges)."""
+        if splits is None or sum(splits.send) or self.relay_comm != RELAY:
+            return None
+        return (self.exchange(splits, row_bytes, self.relay_comm, tag, m), splits)
 
     # ------------------------------------------------------------------ kernels
     def packed_kv(self, k_rows: int, tag: str, m: int) -> None:
@@ -227,6 +246,7 @@ class _FwdChunk:
     def __init__(self, rk: _Rank, m: int, q_pend, kv_pend, split: bool):
         t = rk.t
         self.rk, self.m, self.q_pend, self.kv_pend, self.split = rk, m, q_pend, kv_pend, split
+        self.relay_pend = rk.relay_early(t.relay_splits, rk.sz.kv, "relay", m) if kv_pend is not None else None
         self.whole = split and len(t.remote.q_lens) == 0 and t.heads is None
         self.head = False
         self.tails_done = False
@@ -262,7 +282,9 @@ class _FwdChunk:
             rk.placed(self.q_pend, rk.sz.q, "q", m)
             if self.kv_pend is not None:
                 rk.placed(self.kv_pend, rk.sz.kv, "kv", m)
-        relayed = rk.relay(m, "relay") if self.kv_pend is not None else None
+        relayed = self.relay_pend
+        if relayed is None and self.kv_pend is not None:
+            relayed = rk.relay(m, "relay")
         if relayed is not None:
             if sum(rk.t.relay_splits.recv) > 0:
                 rk.into(relayed, rk.sz.kv, False, "relay", m)
@@ -380,11 +402,12 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
     outgoing, deferred = [], None
     for m in range(M):
         current = incoming
+        early = rk.relay_early(t.relay_back_splits, sz.dkv_acc, "relay_back", m) if returns[m] and not refetch else None
         if m + 1 < M:
             incoming = _bwd_inputs(rk, m + 1, refetch)
         _bwd_chunk(rk, current, m, fresh=m == 0 or bool(returns[m - 1]))
-        relayed = None
-        if returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
+        relayed = early
+        if early is None and returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
             sp = t.relay_back_splits
             rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
