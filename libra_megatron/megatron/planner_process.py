@@ -44,11 +44,11 @@ def memory(plan, config: LibraConfig, heads: HeadLayout, layout: TokenLayout, nu
     exchange = getattr(plan, "exchange", None)
     if getattr(exchange, "arranged_q_units", None) is None:  # a stand-in plan (tests) carries no tables
         return {}, None
-    from ..plan.model import choose_save_mode, predicted_saved_bytes, relay_transient_bytes
+    from ..plan.model import choose_save_mode, deferred_relay_bytes, predicted_saved_bytes
 
     saved = predicted_saved_bytes(exchange, heads, layout.local_len)
     return saved, choose_save_mode(config.save_mode, saved["arranged"], config.activation_budget_gb, num_layers,
-                                   relay_transient_bytes(exchange, heads))
+                                   deferred_relay_bytes(exchange, heads))
 
 
 def planner_process(tasks, results, spec) -> None:

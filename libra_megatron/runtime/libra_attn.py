@@ -59,6 +59,7 @@ import torch
 from ..config import KernelBackendName
 from ..plan.exchange import RankPlan, rank_tables
 from .checks import ensure_plan_verified
+from .entry_kernels import fwd_chunk, fwd_part, merge_heads, packed_kv, part_kernel
 from .kernels import resolve_backend
 from .relay import relay_back, relay_early, relay_forward
 from .routes import DeviceTables, ExchangeStats, device_tables, start_exchange
@@ -141,56 +142,7 @@ def _return(cx: _Ctx, arranged, m: int, which: str, kind: str, wire_dtype: torch
     return start_exchange(arranged.index_select(0, idx.send_rows).to(wire_dtype), idx, cx.group, cx.stats, kind)
 
 
-def _packed_kv(cx: _Ctx, kv_arr):
-    """Arranged K|V (nkv, 2*kp, d) -> packed K, V (nk, kp, d) in varlen-entry order."""
-    kp = cx.plan.heads.kv_piece
-    packed = kv_arr.index_select(0, cx.tables.k_gather)
-    return packed[:, :kp], packed[:, kp:]
-
-
 # ============================================================================ forward
-def _fwd_chunk(cx: _Ctx, q_arr, kv_arr):
-    """Kernel forward of one chunk at the destination: (o_arr (nq, qp, d), lse (qp, nq))."""
-    k_pk, v_pk = _packed_kv(cx, kv_arr)
-    return cx.kernel(cx.backend.fwd, q_arr, k_pk, v_pk, cx.tables.batch, cx.scale)
-
-
-def _part_kernel(cx: _Ctx, q_arr, kv_arr, part, causal: bool = True):
-    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``) on gathered queries and keys:
-    (out (n, qp, d), lse (qp, n))."""
-    kp = cx.plan.heads.kv_piece
-    packed = kv_arr.index_select(0, part.k_gather)
-    q_part = q_arr.index_select(0, part.q_rows)
-    if causal:
-        return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale)
-    return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale, False)
-
-
-def _merge_heads(cx: _Ctx, o_arr, lse, part, head_out, head_lse) -> None:
-    """Split entries: merge the key-tail result already in o_arr / lse rows ``part.q_rows`` with the result
-    over the keys before the tail, by log-sum-exp, in fp32 (fp64 for fp64), written back in place."""
-    rows, acc = part.q_rows, cx.acc_dtype
-    tail_lse, tail_out = lse.T.index_select(0, rows).to(acc), o_arr.index_select(0, rows).to(acc)  # (n, qp)
-    head_lse = head_lse.T.to(acc)
-    merged = torch.logaddexp(tail_lse, head_lse)
-    out = tail_out * torch.exp(tail_lse - merged)[..., None] + head_out.to(acc) * torch.exp(head_lse - merged)[..., None]
-    o_arr.index_put_((rows,), out.to(o_arr.dtype))
-    lse.T.index_put_((rows,), merged.to(lse.dtype))
-
-
-def _fwd_part(cx: _Ctx, q_arr, kv_arr, part, o_arr=None, lse=None):
-    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``): gather their queries and keys, scatter
-    out (n, qp, d) and lse (qp, n) into the chunk's o_arr (nq, qp, d) / lse (qp, nq) rows (each row belongs to
-    exactly one entry); the buffers are made, in the kernel's output dtypes, when None. Returns (o_arr, lse)."""
-    out, part_lse = _part_kernel(cx, q_arr, kv_arr, part)
-    if o_arr is None:
-        o_arr = out.new_empty((q_arr.shape[0],) + tuple(out.shape[1:]))
-        lse = part_lse.new_empty((part_lse.shape[0], q_arr.shape[0]))
-    o_arr.index_put_((part.q_rows,), out)
-    lse.T.index_put_((part.q_rows,), part_lse.T)
-    return o_arr, lse
-
-
 class _Chunk:
     """One chunk's destination side: its arranged buffers, O and lse, and -- under the local-first split
     (``plan.exchange.local_entries``) -- the local entries computed from the self segment before the dispatch is waited."""
@@ -199,41 +151,51 @@ class _Chunk:
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
         self.split = split
         self.relay_pend = None if self.kv_pend is None or cx.tables.relay is None else \
-            relay_early(cx, cx.tables.relay.fwd, like, like.dtype, "kv")  # issued with the dispatch
+            relay_early(cx, cx.tables.relay.fwd, like)  # issued with the dispatch
         self.whole = self.split and cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None  # one call
-        self.o_arr = self.lse = self.kv_arr = None
+        self.q_arr = self.o_arr = self.lse = self.kv_arr = None
         self.head = None  # (out, lse) over split entries' keys before their tails, until the tails are in
         self.tails_done = False
-        if self.split:  # the rows this rank sends itself are in its send buffer already
-            self.q_arr = self.q_pend.self_placed()
-            self.kv_arr = self.kv_pend.self_placed() if self.kv_pend is not None else None
+        self.q_src = self.kv_src = None  # send buffers whose self segment the local set reads before the wait
+        if self.split:  # the rows this rank sends itself are in its send buffer already: read there (``q_self``,
+            local = cx.tables.local  # ``k_self``), or placed first where a route does not fill its target
+            if self.whole or local.q_self is None:
+                self.q_arr = self.q_pend.self_placed()
+            else:
+                self.q_src = self.q_pend.self_source()
+            if self.kv_pend is not None and (self.whole or local.k_self is None):
+                self.kv_arr = self.kv_pend.self_placed()
+            elif self.kv_pend is not None:
+                self.kv_src = self.kv_pend.self_source()
 
-    def local(self, kv_arr) -> None:
-        """Local entries (before any wait); with no split, nothing to do."""
+    def local(self, kv_chunk: "_Chunk") -> None:
+        """Local entries (before any wait, or after all of them); with no split, nothing to do. ``kv_chunk``: the
+        chunk whose K|V this one reads (``_kv_chunk``)."""
         if not self.split:
             return
         if self.whole:
-            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
+            self.o_arr, self.lse = fwd_chunk(self.cx, self.q_arr, kv_chunk.kv_arr)
         else:
-            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.local, self.o_arr, self.lse)
+            part = self.cx.tables.local
+            q, q_rows = (self.q_arr, part.q_rows) if self.q_arr is not None else (self.q_src, part.q_self)
+            kv, k_rows = (kv_chunk.kv_arr, part.k_gather) if kv_chunk.kv_arr is not None else (kv_chunk.kv_src, part.k_self)
+            self.o_arr, self.lse = fwd_part(self.cx, q, kv, part, self.o_arr, self.lse, (q_rows, k_rows),
+                                             self.q_pend.index.num_target_rows())
         self.tails_done = True
         self._merge()
 
     def _merge(self) -> None:
         if self.head is not None and self.tails_done:
-            _merge_heads(self.cx, self.o_arr, self.lse, self.cx.tables.heads, *self.head)
+            merge_heads(self.cx, self.o_arr, self.lse, self.cx.tables.heads, *self.head)
             self.head = None
 
     def arrive(self, sends_only: list) -> None:
         """Wait for the dispatch and place what other ranks sent; then the relay of the chunk's K|V (placed
         here when this rank receives relayed rows, else appended to ``sends_only`` to be waited at the end)."""
-        if self.split:  # a new buffer where the received rows fill it (``PendingExchange.rest_placed``)
-            self.q_arr = self.q_pend.rest_placed(self.q_arr)
-            if self.kv_pend is not None:
-                self.kv_arr = self.kv_pend.rest_placed(self.kv_arr)
-        else:
-            self.q_arr = self.q_pend.placed()
-            self.kv_arr = self.kv_pend.placed() if self.kv_pend is not None else None
+        # placed whole (one gather where the rows fill the target), or the rest after the placed self segment
+        self.q_arr = self.q_pend.placed() if self.q_arr is None else self.q_pend.rest_placed(self.q_arr)
+        if self.kv_pend is not None:
+            self.kv_arr = self.kv_pend.placed() if self.kv_arr is None else self.kv_pend.rest_placed(self.kv_arr)
         relayed = self.relay_pend
         if relayed is None and self.kv_pend is not None:
             relayed = relay_forward(self.cx, self.kv_arr)
@@ -246,12 +208,12 @@ class _Chunk:
     def remote(self, kv_arr) -> None:
         """Entries that needed the dispatch (all of them without a split)."""
         if not self.split:
-            self.o_arr, self.lse = _fwd_chunk(self.cx, self.q_arr, kv_arr)
+            self.o_arr, self.lse = fwd_chunk(self.cx, self.q_arr, kv_arr)
             return
         if self.cx.tables.remote.batch.num_entries:
-            self.o_arr, self.lse = _fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.remote, self.o_arr, self.lse)
+            self.o_arr, self.lse = fwd_part(self.cx, self.q_arr, kv_arr, self.cx.tables.remote, self.o_arr, self.lse)
         if self.cx.tables.heads is not None:  # keys before the split entries' tails: no mask
-            self.head = _part_kernel(self.cx, self.q_arr, kv_arr, self.cx.tables.heads, causal=False)
+            self.head = part_kernel(self.cx, self.q_arr, kv_arr, self.cx.tables.heads, causal=False)
             self._merge()
 
     def write_self(self, out_view) -> None:
@@ -283,7 +245,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
                      split, kv_) for m in range(M)]
     lead = lead if split else 0
     for m in range(lead):
-        chunks[m].local(_kv_source(chunks, m))
+        chunks[m].local(_kv_chunk(chunks, m))
     returns, relay_sends = [], []
     for m, chunk in enumerate(chunks):
         chunk.arrive(relay_sends)
@@ -291,7 +253,7 @@ def _fwd(cx: _Ctx, q, k, v, keep_arranged: bool):
         o_send = chunk.o_arr if chunk.o_arr is not None else chunk.q_arr  # no entry computed yet: self rows only
         returns.append(_return(cx, o_send, m, "q_inv", "o", q.dtype))
     for m in range(lead, M):
-        chunks[m].local(_kv_source(chunks, m))
+        chunks[m].local(_kv_chunk(chunks, m))
     for m, pending in enumerate(returns):
         pending.into(_chunk_rows(out_view, heads, m))
     for pending in relay_sends:
@@ -314,11 +276,16 @@ def _lead(cx: _Ctx, M: int) -> int:
     return M if cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None else M - 1
 
 
-def _kv_source(chunks: List[_Chunk], m: int):
-    """Arranged K|V chunk m reads: that of the latest chunk <= m that sent K/V (kv pieces are sent once)."""
+def _kv_chunk(chunks: List[_Chunk], m: int) -> _Chunk:
+    """The latest chunk <= m that sent K/V: the one whose K|V chunk m reads (kv pieces are sent once)."""
     while chunks[m].kv_pend is None:
         m -= 1
-    return chunks[m].kv_arr
+    return chunks[m]
+
+
+def _kv_source(chunks: List[_Chunk], m: int):
+    """Arranged K|V chunk m reads (``_kv_chunk``'s)."""
+    return _kv_chunk(chunks, m).kv_arr
 
 
 # ============================================================================ backward
@@ -350,7 +317,7 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     else:
         q_arr, kv_arr, o_arr, lse = saved_m
     do_arr = pending["do"].placed()
-    k_pk, v_pk = _packed_kv(cx, kv_arr)
+    k_pk, v_pk = packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
                                      cx.deterministic)
     dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype) if dkv_arr is None else dkv_arr
@@ -378,12 +345,10 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
 
     for m in range(heads.num_chunks):
         current = incoming
-        early = relay_early(cx, cx.tables.relay.inv, dout, cx.acc_dtype, "dkv") \
-            if returns[m] and local is None and cx.tables.relay is not None else None  # before the kernel
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
         dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
-        relayed = early if early is not None or not returns[m] else relay_back(cx, dkv_arr)  # ahead of the returns
+        relayed = relay_back(cx, dkv_arr) if returns[m] else None  # first: nothing queues ahead of it on the link
         returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
         returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), _chunk_rows(dq_view, heads, m)))
         if returns[m]:

@@ -7,13 +7,15 @@ Shape legend (one rank):
 
 A rank forwards the relayed rows it holds along ``relay.fwd`` once its chunk's dispatch is placed, and in backward
 sends their dK|dV back along ``relay.inv``. Every rank of the pool takes part in both collectives, also a rank that
-sends no row on the route: on a relay group of its own (the launcher's twin group), that rank issues its exchange
-*early* (``relay_early``: the forward's with the chunk's dispatch, the backward's before the chunk's kernel), with
-an empty send buffer, so the ranks waiting for relayed rows or for their dK|dV never wait for its other work. That
-group carries only the relay's exchanges, in chunk order on every rank, so issuing early changes no collective's
-partners. When the relay shares the pool's group (``relay_group=None``) every rank issues in the common order.
-``plan.exchange.schedule`` lists the same calls (``_Rank.relay``, ``_Rank.relay_early``); the relay receive
-buffer a backward issue-early allocates before the kernel is in ``plan.model.memory.relay_transient_bytes``.
+sends no row on the route: in forward, on a relay group of its own (the launcher's twin group), that rank issues
+its exchange *early* (``relay_early``), with the chunk's dispatch and an empty send buffer, so the ranks waiting for
+relayed rows never wait for its local work. That group carries only the relay's exchanges, in chunk order on every
+rank, so issuing early changes no collective's partners; when the relay shares the pool's group
+(``relay_group=None``) every rank issues in the common order. The receive buffer it allocates early holds rows of
+the arranged K|V, within the forward's bound on receive buffers (``runtime.libra_attn``). The backward's inverse is
+not issued early: its fp32 receive buffer would live across the chunk's kernel, which the memory rule of
+``save_mode=auto`` would have to count (on linux 1M it tipped a pool into REFETCH, slower than what it saved).
+``plan.exchange.schedule`` lists the same calls (``_Rank.relay``, ``_Rank.relay_early``).
 """
 from __future__ import annotations
 
@@ -44,12 +46,12 @@ def relay_back(cx, dkv_arr: torch.Tensor):
     return start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats, "dkv")
 
 
-def relay_early(cx, route: Optional[RouteIndex], like: torch.Tensor, dtype: torch.dtype, kind: str):
-    """The exchange of a relay route this rank sends no row on, issued now with an empty (0, 2*kp, d) send buffer of
-    ``dtype`` (allocated like ``like``; no gather); None where there is no relay, this rank sends rows, or the relay
+def relay_early(cx, route: Optional[RouteIndex], like: torch.Tensor, kind: str = "kv"):
+    """The forward relay's exchange when this rank sends no row on it, issued now with an empty (0, 2*kp, d) send
+    buffer allocated like ``like`` (no gather); None where there is no relay, this rank sends rows, or the relay
     runs on the pool's own group (an early issue would reorder that group's collectives between ranks)."""
     if route is None or sum(route.splits.send) or cx.relay_group is cx.group:
         return None
     heads = cx.plan.heads
-    send = like.new_empty((0, 2 * heads.kv_piece, heads.head_dim), dtype=dtype)
+    send = like.new_empty((0, 2 * heads.kv_piece, heads.head_dim))
     return start_exchange(send, route, cx.relay_group, cx.stats, kind)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Tuple  # noqa: F401
 
 import numpy as np
@@ -142,6 +142,10 @@ class DeviceEntrySet:
     q_rows: torch.Tensor  # arranged-Q rows of the set's queries (gather Q, scatter O / lse)
     k_gather: torch.Tensor  # arranged-KV row of every packed key row of the set
     batch: VarlenBatch
+    # the local set (its rows are all this rank's own): the same rows in the self segment of the Q / K|V
+    # dispatch's send buffer, read before the dispatch is waited; None where the route does not fill its target
+    q_self: Optional[torch.Tensor] = None
+    k_self: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +210,15 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return torch.argsort(perm).to(perm.dtype)
 
 
+def _self_rows(inverse: Optional[torch.Tensor], rows: torch.Tensor, splits: RouteSplits) -> Optional[torch.Tensor]:
+    """Send-buffer rows of arranged ``rows`` that all lie in the self segment: received row ``inverse[row]``, less
+    the segment's receive offset, plus its send offset (the all_to_all copies the segment in order). None without
+    ``inverse`` (the route does not fill its target)."""
+    if inverse is None:
+        return None
+    return inverse.index_select(0, rows.long()) + (splits.self_send_offset - splits.self_recv_offset)
+
+
 def upload_tables(tables: RankTables, device) -> DeviceTables:
     """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
     rows, offsets = _expand_all(tables, device)
@@ -233,6 +246,9 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
                            _varlen_batch(offsets[2 + 2 * i], offsets[3 + 2 * i], part))
             for i, part in enumerate(tables.entry_sets())]
     local, remote, heads = (sets + [None, None, None])[:3] if sets else (None, None, None)
+    if tables.local is not None:
+        local = replace(local, q_self=_self_rows(q_inverse, local.q_rows, tables.q_splits),
+                        k_self=_self_rows(kv_inverse, local.k_gather, tables.kv_splits))
     return DeviceTables(chunks=tuple(chunks), batch=_varlen_batch(offsets[0], offsets[1], tables),
                         k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote,
                         heads=heads, relay=relay)
@@ -332,11 +348,15 @@ class PendingExchange:
         target = received.new_empty((self.index.num_target_rows(),) + tuple(received.shape[1:]))
         return target.index_put_((self.index.recv_rows,), received)
 
+    def self_source(self) -> torch.Tensor:
+        """Before waiting: the send buffer, whose self segment holds the rows this rank sends itself."""
+        return self._send if self._send is not None else self.received  # a one-rank group kept only send
+
     def self_placed(self) -> torch.Tensor:
         """Before waiting: a new arranged buffer with only the self segment placed, read from the send buffer
         (the rows this rank sends itself are already here). ``rest_placed`` fills the other rows."""
         sp = self.index.splits
-        send = self._send if self._send is not None else self.received  # a one-rank group kept only send
+        send = self.self_source()
         if self.index.recv_inverse is not None and sp.self_rows == self.index.num_target_rows():
             return send[sp.self_send_offset : sp.self_send_offset + sp.self_rows].index_select(0, self.index.recv_inverse)
         target = send.new_empty((self.index.num_target_rows(),) + tuple(send.shape[1:]))

@@ -31,7 +31,7 @@ import numpy as np
 from ..config import KvFetch, LibraConfig, SaveModeName, TilingPolicy
 from ..plan.exchange import build_exchange_plan, fetched_groups, home_runs_in_prefix, plan_layer_timing, plan_traffic
 from ..plan.layout import HeadLayout, TokenLayout
-from ..plan.model import StepTimeModel, choose_save_mode, relay_transient_bytes, saved_bytes_per_rank
+from ..plan.model import StepTimeModel, choose_save_mode, deferred_relay_bytes, saved_bytes_per_rank
 from ..plan.tiles import TilePlacementResult, TileSet, build_tiles, place_tiles, reads_timing
 
 __all__ = ["PoolResult", "TrafficEdges", "traffic_edges", "link_bytes", "evaluate_pool", "pool_result", "PoolEvaluator",
@@ -135,7 +135,7 @@ def pool_save_mode(plan, heads: HeadLayout, rule: SaveRule) -> str:
     mode = SaveModeName(rule.mode)
     if mode is SaveModeName.AUTO:
         arranged = saved_bytes_per_rank(plan, heads, rule.local_tokens, SaveModeName.ARRANGED)
-        mode = choose_save_mode(mode, arranged, rule.budget_gb, rule.num_layers, relay_transient_bytes(plan, heads))
+        mode = choose_save_mode(mode, arranged, rule.budget_gb, rule.num_layers, deferred_relay_bytes(plan, heads))
     return mode.value
 
 

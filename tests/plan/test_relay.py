@@ -194,28 +194,3 @@ def test_config_kv_relay_reaches_plan_pool():
     assert got["auto"].relay_units is not None and got["auto"].relay_units.sum() > 0
     assert got["off"].relay_units is None
     np.testing.assert_array_equal(got["auto"].assignment, got["off"].assignment)
-
-
-@given(relayed_pools())
-@settings(**SETTINGS)
-def test_relay_transient_bytes_count_the_early_relay_inverse_receive_buffers(pool):
-    """A rank that sends nothing back along the relay inverse issues it before the chunk's kernel, so its receive
-    buffer is alive across that kernel: ``relay_transient_bytes`` (from ``relay_units``) adds, on top of
-    ``deferred_relay_bytes``, what the schedule's early exchanges receive (from the route splits), twice where an
-    inverse is deferred."""
-    from libra_megatron.plan.exchange.schedule import rank_layer_ops
-    from libra_megatron.plan.model import Exchange, deferred_relay_bytes, relay_transient_bytes
-
-    relayed, heads = pool[7], pool[2]
-    extra = relay_transient_bytes(relayed, heads) - deferred_relay_bytes(relayed, heads)
-    if relayed.relay_units is None:
-        assert not extra.any()
-        return
-    alive = 2 if heads.relay_inverse_deferred().any() else 1
-    for rank, rp in enumerate(relayed.ranks):
-        _, backward = rank_layer_ops(rp, "arranged")
-        early = [sum(op.recv) for i, op in enumerate(backward) if isinstance(op, Exchange) and op.tag == "relay_back"
-                 and not (i and getattr(backward[i - 1], "tag", None) == "relay_back")]
-        assert extra[rank] == alive * max(early, default=0), (rank, extra[rank], early)
-        if max(early, default=0):  # an early rank that gets dK|dV back forwarded rows and received none
-            assert relayed.relay_units[:, rank].sum() == 0 < relayed.relay_units[rank].sum()

@@ -291,12 +291,10 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
     places = sum(isinstance(op, Copy) and op.op == "place" for op in relay_ops)
     exchanges = sum(isinstance(op, Exchange) for op in relay_ops)
     assert world == 2 or 0 < places < exchanges, (places, exchanges)  # receivers and sends-only ranks
-    issued = {(phase, op.tag, _after_gather(phase_ops, i)) for per_rank in generated for ops in per_rank
-              for phase, phase_ops in zip(("f", "b"), ops) for i, op in enumerate(phase_ops)
-              if isinstance(op, Exchange) and op.tag in ("relay", "relay_back")}
+    issued = {_after_gather(ops[0], i) for per_rank in generated for ops in per_rank for i, op in enumerate(ops[0])
+              if isinstance(op, Exchange) and op.tag == "relay"}
     # ranks that send relayed rows issue after gathering them; the others issue early, with nothing gathered
-    assert world == 2 or {(p, tag, g) for p, tag in (("f", "relay"), ("b", "relay_back")) for g in (True, False)} \
-        <= issued, issued
+    assert world == 2 or issued == {True, False}, issued
 
 
 def _after_gather(ops, i: int) -> bool:

@@ -251,10 +251,14 @@ class _FwdChunk:
         self.head = False
         self.tails_done = False
         self.has_out = False
-        if split:
+        # split: the local set reads the send buffers' self segments (``DeviceEntrySet.q_self`` / ``k_self``); the
+        # self segment is placed first only for the whole-chunk call or a route that does not fill its target
+        self.q_placed_first = split and self.whole
+        self.kv_placed_first = split and kv_pend is not None and (self.whole or not rk._fills("kv"))
+        if self.q_placed_first:
             rk.self_placed(q_pend, rk.sz.q, "q", m)
-            if kv_pend is not None:
-                rk.self_placed(kv_pend, rk.sz.kv, "kv", m)
+        if self.kv_placed_first:
+            rk.self_placed(kv_pend, rk.sz.kv, "kv", m)
 
     def local(self) -> None:
         if not self.split:
@@ -274,14 +278,9 @@ class _FwdChunk:
 
     def arrive(self, sends_only: list) -> None:
         rk, m = self.rk, self.m
-        if self.split:
-            rk.rest_placed(self.q_pend, rk.sz.q, "q", m)
-            if self.kv_pend is not None:
-                rk.rest_placed(self.kv_pend, rk.sz.kv, "kv", m)
-        else:
-            rk.placed(self.q_pend, rk.sz.q, "q", m)
-            if self.kv_pend is not None:
-                rk.placed(self.kv_pend, rk.sz.kv, "kv", m)
+        (rk.rest_placed if self.q_placed_first else rk.placed)(self.q_pend, rk.sz.q, "q", m)
+        if self.kv_pend is not None:
+            (rk.rest_placed if self.kv_placed_first else rk.placed)(self.kv_pend, rk.sz.kv, "kv", m)
         relayed = self.relay_pend
         if relayed is None and self.kv_pend is not None:
             relayed = rk.relay(m, "relay")
@@ -402,12 +401,11 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
     outgoing, deferred = [], None
     for m in range(M):
         current = incoming
-        early = rk.relay_early(t.relay_back_splits, sz.dkv_acc, "relay_back", m) if returns[m] and not refetch else None
         if m + 1 < M:
             incoming = _bwd_inputs(rk, m + 1, refetch)
         _bwd_chunk(rk, current, m, fresh=m == 0 or bool(returns[m - 1]))
-        relayed = early
-        if early is None and returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
+        relayed = None
+        if returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
             sp = t.relay_back_splits
             rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)

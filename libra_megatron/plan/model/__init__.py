@@ -15,8 +15,8 @@ Pure numpy; imports nothing else of ``plan`` (every other room may import this o
 from .calibration import CalibrationTable, resolve_calibration, shipped_calibrations
 from .kernel_fit import KernelFit, PhaseFit, fit_kernel_calls, fit_quality
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
-from .memory import (choose_save_mode, deferred_relay_bytes, hosted_units, predicted_saved_bytes, relay_transient_bytes,
-                     saved_bytes_per_rank, saved_layers)
+from .memory import (choose_save_mode, deferred_relay_bytes, hosted_units, predicted_saved_bytes, saved_bytes_per_rank,
+                     saved_layers)
 from .events import OpCosts, PhaseTiming, price_ops
 from .ops import COPY_KINDS, POOL, RELAY, Copy, Exchange, Kernel, Wait, op_keys
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
@@ -32,8 +32,7 @@ from .workload import (attention_flops, causal_pairs, check_pool_split, clt_expe
 __all__ = [
     "CalibrationTable", "resolve_calibration", "shipped_calibrations", "KernelFit", "PhaseFit", "fit_kernel_calls",
     "fit_quality", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
-    "choose_save_mode", "deferred_relay_bytes", "relay_transient_bytes", "hosted_units", "predicted_saved_bytes",
-    "saved_bytes_per_rank", "saved_layers",
+    "choose_save_mode", "deferred_relay_bytes", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank", "saved_layers",
     "OpCosts", "PhaseTiming", "price_ops", "COPY_KINDS", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_COLLECTIVE_US", "DEFAULT_COPY_GBPS", "DEFAULT_ADD_GBPS", "DEFAULT_GATHER_GBPS", "DEFAULT_PLACE_GBPS",
     "DEFAULT_WIDEN_GBPS", "DEFAULT_ELEMENTWISE_GBPS", "DEFAULT_COPY_LAUNCH_US", "DEFAULT_INTER_MESSAGE_US",

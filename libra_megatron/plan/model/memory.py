@@ -14,11 +14,7 @@ returned by chunk m < M - 2 waits for its relay inverse across the next chunk's 
 so at most one more
 arranged dK|dV in the accumulation dtype is alive during backward, transient (one layer at a time):
                   bytes = nkv*2*kp*d*a       (``deferred_relay_bytes``; a = 4, 8 for fp64; 0 without a relay)
-and a rank that forwards relayed rows but receives none issues the relay inverse before the chunk's kernel
-(``runtime.relay.relay_early``), so its receive buffer lives across that kernel:
-                  bytes = r*2*kp*d*a         (r = rows it forwards per chunk; twice when an inverse is deferred;
-                                              ``relay_transient_bytes`` adds both)
-``choose_save_mode`` counts ``relay_transient_bytes`` once on top of the saved layers' bytes.
+``choose_save_mode`` counts it once on top of the saved layers' bytes.
 
 nq / nkv = Q / KV units the rank hosts (arranged rows per chunk), t = local tokens, e = element bytes of
 q/k/v, l = lse bytes (4; 8 for fp64 inputs). ``runtime`` reports the same quantity as
@@ -37,8 +33,7 @@ import numpy as np
 
 from ...config import SaveModeName
 
-__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "deferred_relay_bytes", "relay_transient_bytes",
-           "choose_save_mode",
+__all__ = ["hosted_units", "saved_bytes_per_rank", "predicted_saved_bytes", "deferred_relay_bytes", "choose_save_mode",
            "saved_layers"]
 
 GIB = float(1 << 30)
@@ -80,23 +75,6 @@ def deferred_relay_bytes(exchange, heads) -> np.ndarray:
     return np.asarray(nkv, dtype=np.int64) * 2 * heads.kv_piece * heads.head_dim * acc
 
 
-def relay_transient_bytes(exchange, heads) -> np.ndarray:
-    """int64 [W]: what one layer's backward keeps besides the saved tensors because of the relay, in ARRANGED mode:
-    ``deferred_relay_bytes`` plus, on a rank that sends no dK|dV along the relay inverse (it received no relayed
-    rows), the receive buffer of the relay inverse it issues before the chunk's kernel (``runtime.relay.relay_early``):
-    the dK|dV of the rows it forwarded, ``relay_units[r].sum()`` rows x 2*kp*d*a -- twice where a relay inverse
-    is deferred (the deferred chunk's buffer and the next chunk's are alive together). Zeros without a relay."""
-    deferred = deferred_relay_bytes(exchange, heads)
-    units = getattr(exchange, "relay_units", None)
-    if units is None:
-        return deferred
-    units = np.asarray(units, dtype=np.int64)
-    acc = 8 if heads.elem_bytes == 8 else 4
-    early = np.where(units.sum(axis=0) == 0, units.sum(axis=1), 0)
-    alive = 2 if heads.relay_inverse_deferred().any() else 1
-    return deferred + alive * early * 2 * heads.kv_piece * heads.head_dim * acc
-
-
 def predicted_saved_bytes(exchange, heads, local_tokens: int) -> Dict[str, np.ndarray]:
     """{"arranged": int64 [W], "refetch": int64 [W]} bytes per rank per layer."""
     return {m.value: saved_bytes_per_rank(exchange, heads, local_tokens, m)
@@ -109,7 +87,7 @@ def choose_save_mode(mode, arranged_bytes_per_rank: np.ndarray, budget_gb: float
 
     arranged_bytes_per_rank: int64 [W] per layer (``saved_bytes_per_rank(..., "arranged")``);
     budget_gb: GiB for one microbatch over ``num_layers`` layers; transient_bytes_per_rank: int64 [W] one layer's
-    backward keeps besides (``relay_transient_bytes``), counted once. Pool-wide inputs: same answer on every rank.
+    backward keeps besides (``deferred_relay_bytes``), counted once. Pool-wide inputs: same answer on every rank.
     """
     mode = SaveModeName(mode)
     if mode is not SaveModeName.AUTO:
