@@ -320,8 +320,15 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     k_pk, v_pk = packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
                                      cx.deterministic)
-    dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype) if dkv_arr is None else dkv_arr
-    dkv_arr.index_add_(0, cx.tables.k_gather, torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype))
+    packed = torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype)
+    if dkv_arr is None and cx.tables.k_first is None:  # some arranged row is no entry's key: sums from zero
+        dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype)
+    if dkv_arr is not None:  # (or the piece's later chunk) add into the sums
+        dkv_arr.index_add_(0, cx.tables.k_gather, packed)
+        return dq_arr, kv_arr, dkv_arr
+    dkv_arr = packed.index_select(0, cx.tables.k_first)  # the piece's first chunk: first rows, the others added
+    if cx.tables.k_repeat.shape[0]:
+        dkv_arr.index_add_(0, cx.tables.k_repeat_rows, packed.index_select(0, cx.tables.k_repeat))
     return dq_arr, kv_arr, dkv_arr
 
 

@@ -156,6 +156,12 @@ class DeviceTables:
     batch: VarlenBatch
     k_gather: torch.Tensor  # int32 [nk]: arranged-KV row of every packed key row
     nbytes: int
+    # backward, a kv piece's first chunk: arranged dK|dV = packed rows ``k_first`` (every arranged row's first packed
+    # row), then the packed rows ``k_repeat`` (all the others, in order) added into arranged rows ``k_repeat_rows``:
+    # no zero fill, fewer index_add_ rows. None where some arranged row is no entry's key (``RankTables.kv_rows_read``)
+    k_first: torch.Tensor = None  # [nkv]
+    k_repeat: torch.Tensor = None  # [nk - nkv]
+    k_repeat_rows: torch.Tensor = None  # [nk - nkv] = k_gather[k_repeat]
     local: Optional[DeviceEntrySet] = None  # local-first split (``RankTables.local``); None: no local entry
     remote: Optional[DeviceEntrySet] = None
     heads: Optional[DeviceEntrySet] = None  # keys before split entries' self-sourced tails (no mask)
@@ -219,6 +225,18 @@ def _self_rows(inverse: Optional[torch.Tensor], rows: torch.Tensor, splits: Rout
     return inverse.index_select(0, rows.long()) + (splits.self_send_offset - splits.self_recv_offset)
 
 
+def _first_and_repeats(k_gather: torch.Tensor, num_rows: int):
+    """(k_first [num_rows], k_repeat [nk - num_rows], k_repeat_rows) of ``DeviceTables`` on the device, sizes known on
+    the host: no host sync (the smallest position per row by ``scatter_reduce_``, the others by a stable sort)."""
+    nk = k_gather.shape[0]
+    pos = torch.arange(nk, dtype=k_gather.dtype, device=k_gather.device)
+    first = torch.zeros(num_rows, dtype=k_gather.dtype, device=k_gather.device)
+    first.scatter_reduce_(0, k_gather.long(), pos, "amin", include_self=False)
+    is_first = first.index_select(0, k_gather) == pos
+    repeat = torch.argsort(is_first.to(torch.uint8), stable=True)[: nk - num_rows].to(k_gather.dtype)
+    return first, repeat, k_gather.index_select(0, repeat)
+
+
 def upload_tables(tables: RankTables, device) -> DeviceTables:
     """A plan's run tables as device index tensors (not cached; ``device_tables`` caches). No host sync."""
     rows, offsets = _expand_all(tables, device)
@@ -249,9 +267,13 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
     if tables.local is not None:
         local = replace(local, q_self=_self_rows(q_inverse, local.q_rows, tables.q_splits),
                         k_self=_self_rows(kv_inverse, local.k_gather, tables.kv_splits))
+    k_gather = rows[id(tables.k_gather)]
+    k_first = k_repeat = k_repeat_rows = None
+    if tables.kv_rows_read:
+        k_first, k_repeat, k_repeat_rows = _first_and_repeats(k_gather, tables.kv_target_len)
     return DeviceTables(chunks=tuple(chunks), batch=_varlen_batch(offsets[0], offsets[1], tables),
-                        k_gather=rows[id(tables.k_gather)], nbytes=tables.nbytes(), local=local, remote=remote,
-                        heads=heads, relay=relay)
+                        k_gather=k_gather, nbytes=tables.nbytes(), local=local, remote=remote,
+                        heads=heads, relay=relay, k_first=k_first, k_repeat=k_repeat, k_repeat_rows=k_repeat_rows)
 
 
 def _bounds(host):

@@ -88,7 +88,15 @@ def _unit_arrays(ref, t, rp):
     arrays += [np.argsort(ref.q_arranged)]  # the inverse permutations forward routes place through
     if t.relay_send is None:
         arrays += [np.argsort(ref.kv_arranged)]
-    arrays += [a for part in _reference_sets(rp) if part is not None for a in part]
+    arrays += [np.argsort(ref.q_send[0] // len(ref.q_send))]  # the O / dQ returns' gather into local unit order
+    sets = _reference_sets(rp)
+    arrays += [a for part in sets if part is not None for a in part]
+    if sets[0] is not None:  # the local set's rows in the dispatches' send buffers
+        arrays += [sets[0][0]] + ([sets[0][1]] if t.relay_send is None else [])
+    if np.array_equal(np.unique(ref.k_gather), np.arange(t.kv_target_len)):  # dK|dV sums from first packed rows
+        first = np.unique(ref.k_gather, return_index=True)[1]
+        repeat = np.setdiff1d(np.arange(ref.k_gather.size), first)
+        arrays += [first, repeat, ref.k_gather[repeat]]
     return [a.astype(np.int32) for a in arrays]
 
 

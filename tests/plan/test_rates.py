@@ -63,10 +63,35 @@ def _op_bytes(H: int, M: int) -> dict:
     return out
 
 
+def _as_profiled_sums(ops) -> list:
+    """After the widening cast of packed dK|dV: a gather of the first rows (and a gather + add of the others) ->
+    the profiled fill of the sums and one add of every packed row."""
+    out, i = [], 0
+    while i < len(ops):
+        op = ops[i]
+        out.append(op)
+        i += 1
+        prev = ops[i - 1]
+        first = ops[i] if i < len(ops) else None
+        if not (isinstance(prev, Copy) and (prev.op, prev.tag) == ("widen", "dkv") and isinstance(first, Copy)
+                and (first.op, first.tag, first.chunk) == ("gather", "dkv", prev.chunk)):
+            continue
+        added, i = first.nbytes, i + 1
+        rest = ops[i:i + 2]
+        if len(rest) == 2 and all(isinstance(o, Copy) and o.tag == "dkv" for o in rest) and \
+                [o.op for o in rest] == ["gather", "add"]:
+            added, i = added + rest[1].nbytes, i + 2
+        out += [Copy("elementwise", first.nbytes // 2, "dkv", first.chunk), Copy("add", added, "dkv", first.chunk)]
+    return out
+
+
 def _as_profiled(ops) -> list:
     """The profiled runtime placed the O and dQ returns by one ``index_put_`` each; the runtime now gathers them
     into unit order and copies them into the chunk's strided view (the same bytes in two calls): each such
-    gather + copy pair counts as the one profiled place."""
+    gather + copy pair counts as the one profiled place. And it started a kv piece's dK|dV sums from zeros (a
+    fill of half their bytes) and added every packed row; the runtime now gathers each row's first packed row
+    and adds the others (``_as_profiled_sums``)."""
+    ops = _as_profiled_sums(ops)
     out, i = [], 0
     while i < len(ops):
         op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None

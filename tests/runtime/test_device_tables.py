@@ -44,6 +44,22 @@ def assert_device_tables_equal_unit_tables(rp):
                 rows = getattr(ref, arranged)
                 np.testing.assert_array_equal(route.recv_inverse.numpy()[rows], np.arange(len(rows)))
     assert (dev.chunks[0].kv_fwd.recv_inverse is None) == (dev.relay is not None)
+    M = len(dev.chunks)
+    for m, c in enumerate(dev.chunks):  # O / dQ returns: received rows gathered into local unit order
+        units = getattr(ref, "q_send")[m][c.q_inv.recv_inverse.numpy()]
+        np.testing.assert_array_equal(units // M, np.arange(units.size))
+        assert (units % M == m).all()
+    _assert_first_and_repeats(dev, ref.k_gather, tables)
+    if dev.local is not None:  # the local set's rows, read in the send buffers' self segments
+        for name, rows, arranged, splits, self_rows in (
+                ("q", tables.local.q_rows, ref.q_arranged, tables.q_splits, dev.local.q_self),
+                ("kv", tables.local.k_gather, ref.kv_arranged, tables.kv_splits, dev.local.k_self)):
+            if self_rows is None:
+                assert name == "kv" and dev.relay is not None  # a relay fills part of the arranged K|V
+                continue
+            received = self_rows.numpy() - splits.self_send_offset + splits.self_recv_offset
+            assert ((received >= splits.self_recv_offset) & (received < splits.self_recv_offset + splits.self_rows)).all()
+            np.testing.assert_array_equal(arranged[received], rows.expand(), err_msg=f"{name} rank {rp.rank}")
     assert (dev.local is None) == (dev.remote is None) == (tables.local is None)
     assert (dev.heads is None) == (tables.heads is None)
     for part, host in ((dev.local, tables.local), (dev.remote, tables.remote), (dev.heads, tables.heads)):
@@ -54,10 +70,26 @@ def assert_device_tables_equal_unit_tables(rp):
             np.testing.assert_array_equal(part.batch.cu_k.numpy(), host.cu_k)
 
 
+def _assert_first_and_repeats(dev, k_gather: np.ndarray, tables) -> None:
+    """Every arranged KV row's first packed row, then the others in order (None when a row is no entry's key)."""
+    covered = np.array_equal(np.unique(k_gather), np.arange(tables.kv_target_len))
+    assert tables.kv_rows_read == covered
+    if not covered:
+        assert dev.k_first is None and dev.k_repeat is None and dev.k_repeat_rows is None
+        return
+    first = np.array([np.flatnonzero(k_gather == r)[0] for r in range(tables.kv_target_len)], dtype=np.int64)
+    np.testing.assert_array_equal(dev.k_first.numpy(), first)
+    np.testing.assert_array_equal(dev.k_repeat.numpy(), np.setdiff1d(np.arange(k_gather.size), first))
+    np.testing.assert_array_equal(dev.k_repeat_rows.numpy(), k_gather[dev.k_repeat.numpy()])
+
+
 def _distinct(dev):
     arrays = [t for c in dev.chunks for t in (c.q_fwd.send_rows, c.kv_fwd.send_rows, c.q_fwd.recv_rows,
                                               c.kv_fwd.recv_rows)] + [dev.k_gather, dev.batch.cu_q, dev.batch.cu_k]
-    arrays += [t for c in dev.chunks for t in (c.q_fwd.recv_inverse, c.kv_fwd.recv_inverse) if t is not None]
+    arrays += [t for c in dev.chunks for t in (c.q_fwd.recv_inverse, c.kv_fwd.recv_inverse, c.q_inv.recv_inverse)
+               if t is not None]
+    arrays += [t for t in (dev.k_first, dev.k_repeat, dev.k_repeat_rows) if t is not None]
+    arrays += [t for t in ((dev.local.q_self, dev.local.k_self) if dev.local is not None else ()) if t is not None]
     arrays += [t for part in (dev.local, dev.remote, dev.heads) if part is not None
                for t in (part.q_rows, part.k_gather, part.batch.cu_q, part.batch.cu_k)]
     return list({id(t): t for t in arrays}.values())

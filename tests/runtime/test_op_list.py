@@ -259,7 +259,8 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
     from libra_megatron.plan.exchange import rank_tables
 
     runs, _, _, _, generated = _suite(world)
-    seen = dict(save_mode=set(), relay=set(), split=set(), M=set(), H=set(), shared_kv=set(), elem=set(), fp32_wire=set())
+    seen = dict(save_mode=set(), relay=set(), split=set(), M=set(), H=set(), shared_kv=set(), elem=set(), fp32_wire=set(),
+                kv_rows_read=set())
     for run in runs:
         spec, tables = run["spec"], [rank_tables(rp) for rp in run["plans"]]
         seen["save_mode"].add(run["save_mode"])
@@ -270,9 +271,11 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
         seen["shared_kv"].add(not run["plans"][0].heads.kv_send_chunks().all())
         seen["elem"].add(spec["elem"])
         seen["fp32_wire"].add(spec["elem"] == 2 and not run["plans"][0].heads.kv_return_chunks().all())
+        seen["kv_rows_read"].update(t.kv_rows_read for t in tables)  # dK|dV sums from first rows, or from zeros
     assert seen["save_mode"] == {"arranged", "refetch"} and seen["split"] == {True, False}
     assert seen["M"] == seen["H"] == {1, 2, 4} and seen["shared_kv"] == {True, False}
     assert seen["elem"] == {2, 4, 8} and True in seen["fp32_wire"]  # fp16 dK|dV sums home in fp32
+    assert seen["kv_rows_read"] == {True, False}
     assert seen["relay"] == ({"off", "relay", "pool"} if world == 4 else {"off"}), seen["relay"]
     steps = {(phase, op.tag, type(op).__name__) for per_rank in generated for ops in per_rank
              for phase, phase_ops in zip(("f", "b"), ops) for op in phase_ops}

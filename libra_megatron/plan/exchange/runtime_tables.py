@@ -81,9 +81,13 @@ class RowRuns:
         return np.int32 if self.bound <= _INT32_MAX + 1 else np.int64
 
     @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the expanded rows (what the device holds)."""
-        return self.total * np.dtype(self.dtype).itemsize
+        return self.total * self.itemsize
 
     def expand(self) -> np.ndarray:
         """The rows on the host, in ``dtype`` (tests and host tools; the runtime expands on the device)."""
@@ -181,6 +185,7 @@ class RankSizes:
     q_back_splits: RouteSplits
     kv_back_splits: RouteSplits
     kv_target_len: int  # arranged KV rows (nkv)
+    kv_rows_read: bool = True  # every arranged KV row is some entry's key (``kv_rows_read``)
     # local-first split (``plan.exchange.local_entries``): None when no entry is local or split, else the sets
     local: Optional[EntryLens] = None  # causal: local entries, and the self-sourced key tails of split entries
     remote: Optional[EntryLens] = None  # causal: remote entries
@@ -228,10 +233,22 @@ class RankTables(RankSizes):
         return sum(t.nbytes for t in self.distinct_runs()) + self._offsets_nbytes() + self.inverse_nbytes()
 
     def inverse_nbytes(self) -> int:
-        """Bytes of the inverse permutations the runtime places forward routes with (a gather through them is
-        ~4x an ``index_put_`` on an H200, docs/gpu.md): the arranged Q rows', and the arranged K|V rows' when
-        no relay route fills part of that buffer. One entry per arranged row, in the arranged tables' dtype."""
-        return self.q_arranged.nbytes + (self.kv_arranged.nbytes if self.relay_send is None else 0)
+        """Bytes of the tables the runtime derives on the device (``runtime.routes.upload_tables``), each entry in
+        its source table's dtype: the inverse permutations it places forward routes with (a gather through them
+        is ~4x an ``index_put_`` on an H200, docs/gpu.md) -- the arranged Q rows', the arranged K|V rows' when no
+        relay route fills part of that buffer, and the local units' the O / dQ returns are gathered with; the
+        local entry set's rows in the dispatches' send buffers; and, where every arranged KV row is read
+        (``kv_rows_read``), the backward's first / repeated packed key rows (nkv + 2 * (nk - nkv))."""
+        kv_fills = self.relay_send is None
+        out = self.q_arranged.nbytes + (self.kv_arranged.nbytes if kv_fills else 0)
+        out += self.q_send[0].nbytes if self.q_send else 0
+        if self.local is not None:
+            out += self.local.q_rows.total * self.q_arranged.itemsize
+            out += self.local.k_gather.total * self.kv_arranged.itemsize if kv_fills else 0
+        if not self.kv_rows_read:
+            return out
+        repeats = self.k_gather.total - self.kv_target_len
+        return out + (self.kv_target_len + 2 * repeats) * self.k_gather.itemsize
 
     def host_nbytes(self) -> int:
         """Bytes of the run tables themselves (what the planner builds and keeps)."""
@@ -314,11 +331,27 @@ def _size_fields(plan: RankPlan, q_lens: np.ndarray, k_lens: np.ndarray) -> dict
     q_splits, kv_splits = RouteSplits.of(plan.q_route, r), RouteSplits.of(plan.kv_route, r)
     out = dict(q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens.tolist()), q_splits=q_splits, kv_splits=kv_splits,
                q_back_splits=q_splits.inverse(r), kv_back_splits=kv_splits.inverse(r),
-               kv_target_len=int(plan.kv_route.target_len))
+               kv_target_len=int(plan.kv_route.target_len),
+               kv_rows_read=kv_rows_read(plan.seq_kv_offset, plan.seq_k_len, int(plan.kv_route.target_len)))
     if plan.relay_route is not None:
         splits = RouteSplits.of(plan.relay_route, r)
         out.update(relay_splits=splits, relay_back_splits=splits.inverse(r))
     return out
+
+
+def kv_rows_read(kv_offset, k_len, num_rows: int) -> bool:
+    """Whether the varlen entries (keys [kv_offset, +k_len) of the arranged K|V) read every one of its ``num_rows``
+    rows: each group's run ends where the longest key prefix of its entries ends. True under a prefix fetch; a
+    whole-group fetch holds rows past them. The backward then builds a piece's dK|dV sums from each row's first
+    packed row instead of zeros (``runtime.routes.DeviceTables.k_first``)."""
+    off, end = np.asarray(kv_offset, dtype=np.int64), np.asarray(kv_offset, dtype=np.int64) + np.asarray(k_len, dtype=np.int64)
+    if off.size == 0:
+        return num_rows == 0
+    order = np.argsort(off, kind="stable")
+    off, end = off[order], end[order]
+    starts = np.flatnonzero(np.concatenate([[True], off[1:] != off[:-1]]))
+    nxt = np.append(off[starts][1:], num_rows)
+    return bool(off[0] == 0 and np.array_equal(np.maximum.reduceat(end, starts), nxt))
 
 
 def _relay_rows(plan: RankPlan) -> dict:

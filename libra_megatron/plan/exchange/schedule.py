@@ -375,12 +375,18 @@ def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
     rk.placed(pending["do"], sz.q, "do", m)
     rk.packed_kv(sum(t.k_lens), "kv", m)
     rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
-    if fresh:  # the piece's first chunk: its fp32 sums start at zero
-        rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
     nk = sum(t.k_lens)
     rk.cat(nk, sz.kv, "dkv", m)  # packed dK|dV
     rk.cast(nk, sz.kv, sz.dkv_acc, "dkv", m)
-    rk.copy("add", nk, sz.dkv_acc, "dkv", m)
+    if fresh and not t.kv_rows_read:  # some arranged row is no entry's key: the fp32 sums start at zero
+        rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
+    if not fresh or not t.kv_rows_read:  # (or a later chunk of the piece) add into the fp32 sums
+        rk.copy("add", nk, sz.dkv_acc, "dkv", m)
+        return
+    rk.copy("gather", t.kv_target_len, sz.dkv_acc, "dkv", m)  # the first chunk: every arranged row's first packed row
+    if nk > t.kv_target_len:  # the other packed rows, gathered and added
+        rk.copy("gather", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
+        rk.copy("add", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
 
 
 def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
