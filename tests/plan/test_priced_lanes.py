@@ -8,9 +8,9 @@ import pytest
 from libra_megatron.config import SequencePlacement
 from libra_megatron.plan.sequences import SyncLayout, place_for_sync, place_sequences, run_lane_pipelines
 from libra_megatron.plan.sequences.lanes import priced_lanes_apply
-from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, assemble_order, choose_lanes, lane_groupings,
-                                                        microbatch_orders, place_for_pipelines, priced_lane_order,
-                                                        priced_step_seconds)
+from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, assemble_order, balance_lane_seconds, choose_lanes,
+                                                        lane_groupings, microbatch_orders, place_for_pipelines,
+                                                        priced_lane_order, priced_step_seconds)
 
 
 def _span(f, b, layout):
@@ -145,16 +145,56 @@ def test_priced_lanes_beat_the_f_proxy_when_seconds_are_not_f():
     assert min(gains) >= 1.0 and max(gains) > 1.05
 
 
-def test_pool_seconds_are_read_only_where_lanes_are_pipelines():
+def test_pool_seconds_are_read_only_where_lanes_run_apart():
     flops, pool_seconds = _skewed_window(1, 32)
-    for layout in (SyncLayout(8, 2, 4),  # PP = 1: lane totals, the F proxy
-                   SyncLayout(32, 2, 1, pipeline_parallel_size=2),  # GA = 1: nothing to order
+    for layout in (SyncLayout(32, 2, 1, pipeline_parallel_size=2),  # GA = 1: nothing to order
                    SyncLayout(8, 8, 4, pipeline_parallel_size=2),  # DP = P: one lane keeps per-instance balance
                    SyncLayout(8, 2, 4, pipeline_parallel_size=2, expert_parallel_size=8)):  # EP ties the lanes
         assert not priced_lanes_apply(layout)
         with_seconds = place_sequences(flops, layout.pool_size, SequencePlacement.SYNC, layout, pool_seconds)
         assert np.array_equal(with_seconds, place_for_sync(flops, layout))
     assert priced_lanes_apply(SyncLayout(8, 2, 4, pipeline_parallel_size=2))
+    assert priced_lanes_apply(SyncLayout(8, 2, 4))  # PP = 1: the lanes' pool totals (balance_lane_seconds)
+
+
+def _lane_totals(order, layout, seconds_of_pool):
+    pools = np.asarray(order).reshape(layout.num_microbatches, layout.num_lanes, layout.pool_size)
+    return np.array([[seconds_of_pool(tuple(p)) for p in row] for row in pools]).sum(axis=0)
+
+
+def test_balance_lane_seconds_swaps_whole_pools_by_hand():
+    """Two lanes of two pools (P = 1): lane 0 runs pools priced 10 and 9 (19), lane 1 two of 1 (2). Swapping the 10
+    or the 9 with a 1 both leave a pair maximum of 11; the first (the 10 for lane 1's first pool) is taken:
+    lanes 1 + 9 = 10 and 10 + 1 = 11. Then no swap lowers 11."""
+    layout = SyncLayout(2, 1, 2)
+    price = {0: 10.0, 1: 1.0, 2: 9.0, 3: 1.0}  # window position -> its pool's seconds (one sequence a pool)
+    pool_seconds = lambda pools: (np.array([price[int(p[0])] for p in pools]), np.zeros(len(pools)))  # noqa: E731
+    out = balance_lane_seconds(np.arange(4), layout, pool_seconds)  # GA-major: lane 0 = positions 0, 2
+    assert out.reshape(2, 2)[:, 0].tolist() == [1, 2] and out.reshape(2, 2)[:, 1].tolist() == [0, 3]
+    assert _lane_totals(out, layout, lambda p: price[p[0]]).tolist() == [10.0, 11.0]
+
+
+def test_balance_lane_seconds_keeps_pools_and_never_raises_the_heaviest_lane():
+    rng = np.random.default_rng(3)
+    for dp, pool, ga in ((8, 2, 4), (16, 4, 6), (12, 3, 5)):
+        layout = SyncLayout(dp, pool, ga)
+        gbs = dp * ga
+        weight = rng.lognormal(0.0, 1.5, gbs)
+        pool_seconds = lambda pools: (weight[pools].sum(axis=1) ** 1.3, 0.5 * weight[pools].max(axis=1))  # noqa: E731
+        order = rng.permutation(gbs)
+        out = balance_lane_seconds(order, layout, pool_seconds)
+        assert sorted(out.tolist()) == list(range(gbs))
+        assert {frozenset(p) for p in out.reshape(-1, pool).tolist()} == {frozenset(p) for p in order.reshape(-1, pool).tolist()}
+        price = lambda p: float(sum(x.sum() for x in pool_seconds(np.array([p]))))  # noqa: E731
+        before, after = _lane_totals(order, layout, price), _lane_totals(out, layout, price)
+        assert after.max() <= before.max() + 1e-12 and after.sum() == pytest.approx(before.sum())
+        assert after.max() < before.max()  # these skewed windows always leave a swap that helps
+        # no single pool swap between the heaviest and the lightest lane lowers the heavier of the two any further
+        heavy, light = int(after.argmax()), int(after.argmin())
+        grid = out.reshape(ga, layout.num_lanes, pool)
+        sec = np.array([[price(tuple(p)) for p in row] for row in grid])
+        moved = sec[:, heavy][:, None] - sec[:, light][None, :]
+        assert np.maximum(after[heavy] - moved, after[light] + moved).min() >= after[heavy] - 1e-9
 
 
 def test_bad_pool_seconds_are_a_clear_error():

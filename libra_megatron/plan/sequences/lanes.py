@@ -79,12 +79,12 @@ def _lanes_run_apart(layout: SyncLayout) -> bool:
 
 
 def priced_lanes_apply(layout: SyncLayout) -> bool:
-    """Whether the PP > 1 placement by priced pools (``plan.sequences.priced_lanes``) runs under ``layout``:
-    pipelines (PP > 1) whose lanes run apart (no EP tie, several lanes, GA > 1). With one lane (DP = P) the
+    """Whether the placement by priced pools (``plan.sequences.priced_lanes``) runs under ``layout``: lanes that run
+    apart (no EP tie, several lanes, GA > 1) -- pipelines at PP > 1, the lanes' pool totals at PP = 1. With one lane (DP = P) the
     per-instance order stays: pricing it would make the step faster under the model (DP4 PP2 P4, 6 windows:
     linux 256K 1.166 -> 1.086, wikipedia 1.696 -> 1.540 x the bound) but its worst microbatch 3-5x the mean,
     which the paper's Fig. 12 and the ``libra/microbatch_*`` scalars hold against the sampler order (issue 26)."""
-    return layout.pipeline_parallel_size > 1 and _lanes_run_apart(layout)
+    return _lanes_run_apart(layout)
 
 
 def lane_members(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:

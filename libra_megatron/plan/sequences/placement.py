@@ -11,7 +11,7 @@ import numpy as np
 from ...config import SequencePlacement
 from ..model import check_pool_split
 from .lanes import place_for_sync, priced_lanes_apply
-from .priced_lanes import PoolSeconds, place_for_pipelines
+from .priced_lanes import PoolSeconds, balance_lane_seconds, place_for_pipelines
 from .vrsp import _as_flops, place_alg1, place_contiguous, place_refined
 
 __all__ = ["place_sequences", "assign_to_ranks"]
@@ -31,9 +31,10 @@ def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, lay
 
     ``flops``: float64 (GBS,) Eq. 4 workloads. ``pool_size``: P, must divide GBS. ``layout``: the step's
     ``plan.sequences.sync.SyncLayout`` (read by SYNC only; its pool size must be P). ``pool_seconds`` (SYNC with a
-    layout at PP > 1 whose lanes run apart, ``lanes.priced_lanes_apply``): pools [n, P] of window positions ->
-    their (forward, backward) layer seconds (``pool_proxy.PoolProxy.pricer``); the order is then the fastest of
-    ``priced_lanes.place_for_pipelines``' candidates under it. Deterministic. Returns int64 (GBS,).
+    layout whose lanes run apart, ``lanes.priced_lanes_apply``): pools [n, P] of window positions -> their
+    (forward, backward) layer seconds (``pool_proxy.PoolProxy.pricer``); at PP > 1 the order is then the fastest of
+    ``priced_lanes.place_for_pipelines``' candidates under it, at PP = 1 the F-balanced lanes' pools are swapped
+    until the lanes' priced totals are even (``priced_lanes.balance_lane_seconds``). Deterministic. Returns int64 (GBS,).
     """
     flops = _as_flops(flops)
     check_pool_split(flops.size, pool_size)
@@ -43,7 +44,10 @@ def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, lay
             raise ValueError(f"the sync layout's pool size {layout.pool_size} differs from pool_size (P) {pool_size}")
         order = place_for_sync(flops, layout)
         if pool_seconds is not None and priced_lanes_apply(layout):
-            order, _ = place_for_pipelines(flops, layout, pool_seconds, order)
+            if layout.pipeline_parallel_size > 1:
+                order, _ = place_for_pipelines(flops, layout, pool_seconds, order)
+            else:
+                order = balance_lane_seconds(order, layout, pool_seconds)
         return order
     return _PLACERS[method](flops, pool_size)
 

@@ -1,4 +1,5 @@
-"""Priced lanes (issue 26, PP > 1): each lane's pool grouping and microbatch order chosen by priced pool seconds.
+"""Priced lanes (issue 26): at PP > 1 each lane's pool grouping and microbatch order chosen by priced pool seconds;
+at PP = 1 the lanes' pools swapped until the lanes' priced totals are even (``balance_lane_seconds``).
 
 Pure Python + numpy. At PP > 1 a lane is a pipeline, so uneven microbatches cost bubbles, and what a pool
 instance costs is not its F = sum l^2: a long document's K/V prefix, the exchange TAP needs and the per-token
@@ -28,11 +29,13 @@ from .lanes import lane_members, like_with_like, microbatch_orders
 from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1, place_contiguous
 
-__all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lanes", "assemble_order", "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "PoolSeconds"]
+__all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lanes", "assemble_order",
+           "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "balance_lane_seconds", "PoolSeconds"]
 
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
 CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
 EXHAUSTIVE_GA = 5  # up to this many microbatches a lane tries every order (5! = 120), after microbatch_orders'
+LANE_SWAPS_PER_LANE = 8  # PP = 1 pool swaps between lanes (``balance_lane_seconds``); the loop mostly stops far earlier
 
 GROUPINGS = ("like", "alg1")
 
@@ -132,6 +135,32 @@ def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sy
                   place_alg1(flops, layout.pool_size), place_contiguous(flops, layout.pool_size))
     best = int(np.argmin(_steps(candidates, layout, pool_seconds)))  # the first of equal steps
     return candidates[best], CANDIDATES[best]
+
+
+def balance_lane_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -> np.ndarray:
+    """PP = 1 (a lane runs its pools one after another, so its time is their sum): ``order``'s pools swapped whole
+    between the lane priced heaviest and the one priced lightest (forward + backward of ``pool_seconds``, priced
+    once: a pool keeps its sequences, only its lane changes), each time the swap leaving the smaller pair maximum,
+    while it lowers the heavier lane; at most ``LANE_SWAPS_PER_LANE`` per lane. The heaviest lane never gets
+    heavier under the prices, and the window's multiset and every pool are kept. int64 (GBS,), GA-major,
+    pool-minor (pool g*lanes + j: lane j's g-th microbatch; at PP = 1 its position in the lane does not matter)."""
+    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    grid = np.asarray(order, dtype=np.int64).reshape(ga, lanes, pool).copy()
+    fwd, bwd = _checked_seconds(pool_seconds, grid.reshape(-1, pool))
+    seconds = (fwd + bwd).reshape(ga, lanes)
+    totals = seconds.sum(axis=0)
+    for _ in range(LANE_SWAPS_PER_LANE * lanes):
+        heavy, light = int(totals.argmax()), int(totals.argmin())
+        moved = seconds[:, heavy][:, None] - seconds[:, light][None, :]  # [g_heavy, g_light]
+        pair_max = np.maximum(totals[heavy] - moved, totals[light] + moved)
+        g_heavy, g_light = np.unravel_index(int(pair_max.argmin()), pair_max.shape)  # the first of equal maxima
+        if not pair_max[g_heavy, g_light] < totals[heavy]:
+            break
+        grid[[g_heavy, g_light], [heavy, light]] = grid[[g_light, g_heavy], [light, heavy]]
+        seconds[[g_heavy, g_light], [heavy, light]] = seconds[[g_light, g_heavy], [light, heavy]]
+        totals[heavy] -= moved[g_heavy, g_light]
+        totals[light] += moved[g_heavy, g_light]
+    return grid.reshape(-1)
 
 
 def assemble_order(chosen: Sequence[np.ndarray], layout: SyncLayout) -> np.ndarray:
