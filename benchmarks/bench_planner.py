@@ -187,7 +187,7 @@ SYNC_LAYOUTS = ((32, 1), (64, 1), (128, 1), (256, 1), (32, 2), (64, 4), (128, 4)
 
 
 def _priced_sync(segments, layout, proxy):
-    """What the sampler runs at PP > 1: the window's proxy statistics, then the priced sync placement."""
+    """What the sampler runs where lanes run apart: the window's proxy statistics, then the priced sync placement."""
     stats = SequenceStats.of(segments)
     return place_sequences(stats.flops, POOL_SIZE, SequencePlacement.SYNC, layout, proxy.pricer(stats))
 
@@ -203,13 +203,11 @@ def bench_vrsp(segments, reps):
               f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}")
     for dp, pp in SYNC_LAYOUTS:  # sync: lanes of P replicas over GA = GBS/DP steps (plan/sequences/lanes.py)
         layout = SyncLayout(dp, POOL_SIZE, gbs // dp, pipeline_parallel_size=pp)
-        if pp > 1:  # priced by the pool proxy (plan.sequences.priced_lanes), statistics included
-            ms = [timed(_priced_sync, segments, layout, proxy)[1] for _ in range(reps)]
-        else:
-            ms = [timed(place_sequences, flops, POOL_SIZE, SequencePlacement.SYNC, layout)[1] for _ in range(reps)]
+        # priced by the pool proxy (plan.sequences.priced_lanes), statistics included: pipelines at PP > 1, the
+        # lanes' pool totals at PP = 1
+        ms = [timed(_priced_sync, segments, layout, proxy)[1] for _ in range(reps)]
         print(f"VRSP sync     GBS={gbs} P={POOL_SIZE} DP={dp} GA={gbs // dp} PP={pp}: median {np.median(ms):.2f} ms "
-              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f}"
-              + (" (priced pools)" if pp > 1 else ""))
+              f"(p90 {np.percentile(ms, 90):.2f}) budget 5 ms ratio {np.median(ms) / 5:.2f} (priced pools)")
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ def print_run(name: str, records: List[dict]) -> None:
 def print_summary(summary: Dict[str, object]) -> None:
     print("== summary (Libra run; means over steps)")
     print(f"lane R-1 (max/mean - 1 over DP/P lanes of sum l^2 over the step's microbatches; what the sync "
-          f"placement balances) before -> after VRSP: {summary['lane_r1_before_mean']:.4f} -> "
+          f"placement balances first, then the lanes' priced seconds) before -> after VRSP: {summary['lane_r1_before_mean']:.4f} -> "
           f"{summary['lane_r1_after_mean']:.4f}")
     print(f"per-instance R-1 (max/mean - 1 of pool sum l^2; what Alg. 1 balances) before -> after VRSP: "
           f"{summary['inter_pool_r1_before_mean']:.4f} -> {summary['inter_pool_r1_after_mean']:.4f}")

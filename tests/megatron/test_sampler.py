@@ -18,7 +18,7 @@ from libra_megatron.megatron.sampler import (
 )
 from libra_megatron.megatron.segments import gpt_sample_segments, scan_eod_segments
 
-from conftest import TRACE_EOD
+from conftest import SEQ_LENGTH, TRACE_EOD
 
 DP, POOL, GBS = 4, 2, 8
 
@@ -194,12 +194,19 @@ def test_pool_segments_encoding_round_trips():
 
 
 def test_data_loader_yields_dataset_samples_with_pool_metadata(trace_gpt_dataset):
+    from libra_megatron.megatron.sampler import pool_proxy_from_args, sync_layout_from_args
+
     args = argparse.Namespace(micro_batch_size=1, global_batch_size=GBS, dataloader_type="single", seed=3,
-                              num_workers=0)
+                              num_workers=0, seq_length=SEQ_LENGTH, num_attention_heads=4, hidden_size=64)
     config = LibraConfig(pool_size=POOL)
     loader = build_libra_data_loader(trace_gpt_dataset, 2 * GBS, args, config=config, data_parallel_rank=3,
                                      data_parallel_size=DP)
-    keys = [b[0] for b in _sampler(trace_gpt_dataset, 3, consumed=2 * GBS, total=len(trace_gpt_dataset))][:5]
+    # the loader's sampler: Megatron's layout (PP = 1, two lanes of GA = 2) and its pools priced by the proxy
+    sampler = LibraGlobalBatchSampler(trace_gpt_dataset, len(trace_gpt_dataset), 2 * GBS, 1, GBS, 3, DP, POOL,
+                                      config.sequence_placement, "single", 3,
+                                      sync_layout=sync_layout_from_args(args, DP, POOL),
+                                      pool_proxy=pool_proxy_from_args(args, POOL))
+    keys = [b[0] for b in sampler][:5]
     for batch, key in zip(loader, keys):
         expected = trace_gpt_dataset[key.sample_index]
         assert batch["tokens"].shape == (1, expected["tokens"].numel())

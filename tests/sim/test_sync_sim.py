@@ -52,7 +52,7 @@ def _pool_seconds_by_window(trace_path, extra, kind="seconds"):
     out = []
     for w in range(R._num_windows(corpus.num_sequences, spec)):
         win = R._window_data(corpus, w, spec)
-        orders = R._orders(win.flops, 2, spec)
+        orders = R._orders(win.flops, 2, spec, R.window_pool_seconds(corpus, win.ids, 2, spec))
         out.append(({n: [getattr(p, kind) for p in R._run_order(ev, win.ids, o, 2, cand.knobs, spec.tile_placement,
                                                                 spec).pools]
                      for n, o in orders.items()}, win.forward_lower_bound_step, win.lower_bound_step))
