@@ -190,7 +190,8 @@ class _Rank:
         self.copy("add" if accumulate else "place", rows, row_bytes, tag, m)
 
     def relay(self, m: int, tag: str):
-        """``_relay``: gather the relayed rows of the arranged K|V and send them on the relay communicator."""
+        """``runtime.relay.relay_forward``: gather the relayed rows of the arranged K|V, send them on the relay
+        communicator."""
         sp = self.t.relay_splits
         if sp is None:
             return None
@@ -211,25 +212,26 @@ class _Rank:
         self.copy("gather", k_rows, self.sz.kv, tag, m)
 
     def fwd_whole(self, m: int) -> None:
-        """``_fwd_chunk``: packed K|V of every entry, one kernel call."""
+        """``runtime.entry_kernels.fwd_chunk``: packed K|V of every entry, one kernel call."""
         self.packed_kv(sum(self.t.k_lens), "kv", m)
         self.kernel("fwd", self.t.q_lens, self.t.k_lens, "all", m)
 
     def part_kernel(self, part, m: int, tag: str, causal: bool = True) -> None:
-        """``_part_kernel``: gather the part's keys and queries, one kernel call."""
+        """``runtime.entry_kernels.part_kernel``: gather the part's keys and queries, one kernel call."""
         self.packed_kv(sum(part.k_lens), tag, m)
         self.copy("gather", sum(part.q_lens), self.sz.q, tag, m)
         self.kernel("fwd", part.q_lens, part.k_lens, tag, m, causal)
 
     def fwd_part(self, part, m: int, tag: str) -> None:
-        """``_fwd_part``: the part's kernel, then its out and lse rows scattered into the chunk's buffers."""
+        """``runtime.entry_kernels.fwd_part``: the part's kernel, then its out and lse rows scattered into the chunk's
+        buffers."""
         self.part_kernel(part, m, tag)
         n = sum(part.q_lens)
         self.copy("place", n, self.sz.q, tag, m)
         self.copy("place", n, self.sz.qp * self.sz.lse, tag, m)
 
     def merge_heads(self, m: int) -> None:
-        """``_merge_heads``: read the tails' lse and out rows, write the merged rows back."""
+        """``runtime.entry_kernels.merge_heads``: read the tails' lse and out rows, write the merged rows back."""
         n, sz = sum(self.t.heads.q_lens), self.sz
         self.copy("gather", n, sz.qp * sz.lse, "merge", m)
         self.copy("gather", n, sz.q, "merge", m)
@@ -411,7 +413,7 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
             incoming = _bwd_inputs(rk, m + 1, refetch)
         _bwd_chunk(rk, current, m, fresh=m == 0 or bool(returns[m - 1]))
         relayed = None
-        if returns[m] and t.relay_back_splits is not None:  # ``_relay_back``, ahead of the returns
+        if returns[m] and t.relay_back_splits is not None:  # ``runtime.relay.relay_back``, ahead of the returns
             sp = t.relay_back_splits
             rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)

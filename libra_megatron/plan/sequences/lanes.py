@@ -34,6 +34,8 @@ layer, so balancing lane totals does not help: the per-instance ``refined`` orde
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from .vrsp import place_alg1, place_refined, pool_loads
@@ -55,8 +57,9 @@ def sync_proxy_seconds(flops, order, layout: SyncLayout) -> float:
     return pool_step_timing(loads.reshape(layout.num_microbatches, layout.num_lanes), layout).seconds
 
 
-def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
-    """The SYNC order of ``flops`` (float64 (GBS,), GBS = GA*DP) under ``layout``: int64 (GBS,) permutation."""
+def place_for_sync(flops, layout: SyncLayout, alg1: Optional[np.ndarray] = None) -> np.ndarray:
+    """The SYNC order of ``flops`` (float64 (GBS,), GBS = GA*DP) under ``layout``: int64 (GBS,) permutation.
+    ``alg1``: ``place_alg1(flops, P)`` when the caller has it already (computed here otherwise)."""
     flops = np.asarray(flops, dtype=np.float64).reshape(-1)
     gbs = layout.num_microbatches * layout.data_parallel_size
     if flops.size != gbs:
@@ -64,7 +67,7 @@ def place_for_sync(flops, layout: SyncLayout) -> np.ndarray:
                          f"{layout.data_parallel_size} = {gbs}")
     if not _lanes_run_apart(layout):  # nothing to gain from lanes: tied, a single lane, or lanes == instances
         return place_refined(flops, layout.pool_size)
-    alg1 = place_alg1(flops, layout.pool_size)
+    alg1 = place_alg1(flops, layout.pool_size) if alg1 is None else alg1
     if layout.pipeline_parallel_size > 1:
         by_lanes = _instances_to_lanes(flops, layout, alg1)
     else:

@@ -127,12 +127,15 @@ def _steps(orders: Sequence[np.ndarray], layout: SyncLayout, pool_seconds: PoolS
     return run_lane_pipelines(fwd, layout, bwd).makespan.reshape(len(orders), lanes).max(axis=1)
 
 
-def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sync_order) -> Tuple[np.ndarray, str]:
+def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sync_order,
+                        alg1=None) -> Tuple[np.ndarray, str]:
     """(order, its name in ``CANDIDATES``): the fastest of the priced lanes, ``sync_order`` (the F-proxy sync
-    placement), Algorithm 1's order and the sampler order under ``priced_step_seconds``; ties keep the earlier."""
+    placement), Algorithm 1's order (``alg1`` when the caller has it) and the sampler order under
+    ``priced_step_seconds``; ties keep the earlier."""
     flops = np.asarray(flops, dtype=np.float64).reshape(-1)
+    alg1 = place_alg1(flops, layout.pool_size) if alg1 is None else np.asarray(alg1, dtype=np.int64)
     candidates = (priced_lane_order(flops, layout, pool_seconds), np.asarray(sync_order, dtype=np.int64),
-                  place_alg1(flops, layout.pool_size), place_contiguous(flops, layout.pool_size))
+                  alg1, place_contiguous(flops, layout.pool_size))
     best = int(np.argmin(_steps(candidates, layout, pool_seconds)))  # the first of equal steps
     return candidates[best], CANDIDATES[best]
 
