@@ -150,20 +150,20 @@ class _Chunk:
     def __init__(self, cx: _Ctx, m: int, pending, split: bool, like: torch.Tensor):
         self.cx, self.m, (self.q_pend, self.kv_pend) = cx, m, pending
         self.split = split
-        self.relay_pend = None if self.kv_pend is None or cx.tables.relay is None else \
-            relay_early(cx, cx.tables.relay.fwd, like)  # issued with the dispatch
+        self.relay_pend = None if self.kv_pend is None else relay_early(cx, like)  # issued with the dispatch
         self.whole = self.split and cx.tables.remote.batch.num_entries == 0 and cx.tables.heads is None  # one call
         self.q_arr = self.o_arr = self.lse = self.kv_arr = None
         self.head = None  # (out, lse) over split entries' keys before their tails, until the tails are in
         self.tails_done = False
         self.q_src = self.kv_src = None  # send buffers whose self segment the local set reads before the wait
-        if self.split:  # the rows this rank sends itself are in its send buffer already: read there (``q_self``,
-            local = cx.tables.local  # ``k_self``), or placed first where a route does not fill its target
-            if self.whole or local.q_self is None:
+        if self.split:  # the rows this rank sends itself are in its send buffer already: the local set reads them
+            # there (``q_self``, ``k_self``); placed first for the whole-chunk call, or where the K|V route does not
+            # fill its target (a relay fills part of it: no ``k_self``)
+            if self.whole:
                 self.q_arr = self.q_pend.self_placed()
             else:
                 self.q_src = self.q_pend.self_source()
-            if self.kv_pend is not None and (self.whole or local.k_self is None):
+            if self.kv_pend is not None and (self.whole or cx.tables.local.k_self is None):
                 self.kv_arr = self.kv_pend.self_placed()
             elif self.kv_pend is not None:
                 self.kv_src = self.kv_pend.self_source()
@@ -321,14 +321,14 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
                                      cx.deterministic)
     packed = torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype)
-    if dkv_arr is None and cx.tables.k_first is None:  # some arranged row is no entry's key: sums from zero
-        dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype)
-    if dkv_arr is not None:  # (or the piece's later chunk) add into the sums
-        dkv_arr.index_add_(0, cx.tables.k_gather, packed)
+    if dkv_arr is None and cx.tables.k_first is not None:  # the piece's first chunk: first rows, the others added
+        dkv_arr = packed.index_select(0, cx.tables.k_first)
+        if cx.tables.k_repeat.shape[0]:
+            dkv_arr.index_add_(0, cx.tables.k_repeat_rows, packed.index_select(0, cx.tables.k_repeat))
         return dq_arr, kv_arr, dkv_arr
-    dkv_arr = packed.index_select(0, cx.tables.k_first)  # the piece's first chunk: first rows, the others added
-    if cx.tables.k_repeat.shape[0]:
-        dkv_arr.index_add_(0, cx.tables.k_repeat_rows, packed.index_select(0, cx.tables.k_repeat))
+    if dkv_arr is None:  # some arranged row is no entry's key: the sums start at zero
+        dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype)
+    dkv_arr.index_add_(0, cx.tables.k_gather, packed)
     return dq_arr, kv_arr, dkv_arr
 
 

@@ -19,11 +19,9 @@ not issued early: its fp32 receive buffer would live across the chunk's kernel, 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .routes import RouteIndex, start_exchange
+from .routes import start_exchange
 
 __all__ = ["relay_forward", "relay_back", "relay_early"]
 
@@ -46,12 +44,13 @@ def relay_back(cx, dkv_arr: torch.Tensor):
     return start_exchange(dkv_arr.index_select(0, relay.inv.send_rows), relay.inv, cx.relay_group, cx.stats, "dkv")
 
 
-def relay_early(cx, route: Optional[RouteIndex], like: torch.Tensor, kind: str = "kv"):
+def relay_early(cx, like: torch.Tensor):
     """The forward relay's exchange when this rank sends no row on it, issued now with an empty (0, 2*kp, d) send
     buffer allocated like ``like`` (no gather); None where there is no relay, this rank sends rows, or the relay
     runs on the pool's own group (an early issue would reorder that group's collectives between ranks)."""
-    if route is None or sum(route.splits.send) or cx.relay_group is cx.group:
+    relay = cx.tables.relay
+    if relay is None or sum(relay.fwd.splits.send) or cx.relay_group is cx.group:
         return None
     heads = cx.plan.heads
     send = like.new_empty((0, 2 * heads.kv_piece, heads.head_dim))
-    return start_exchange(send, route, cx.relay_group, cx.stats, kind)
+    return start_exchange(send, relay.fwd, cx.relay_group, cx.stats, "kv")

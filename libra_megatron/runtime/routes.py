@@ -249,7 +249,7 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
     kv_target = None if relay is None else tables.kv_target_len
     q_inverse, kv_inverse = _inverse(q_arr), (_inverse(kv_arr) if relay is None else None)
     M = len(tables.q_send)  # chunk m sends local unit u as row u*M + m: every chunk's returns share one unit order
-    home_inverse = _inverse(torch.div(rows[id(tables.q_send[0])], M, rounding_mode="floor")) if M else None
+    home_inverse = _inverse(torch.div(rows[id(tables.q_send[0])], M, rounding_mode="floor"))
     chunks = []
     for q_send, kv_send in zip(tables.q_send, tables.kv_send):
         q_rows, kv_rows = rows[id(q_send)], rows[id(kv_send)]

@@ -241,7 +241,7 @@ class RankTables(RankSizes):
         (``kv_rows_read``), the backward's first / repeated packed key rows (nkv + 2 * (nk - nkv))."""
         kv_fills = self.relay_send is None
         out = self.q_arranged.nbytes + (self.kv_arranged.nbytes if kv_fills else 0)
-        out += self.q_send[0].nbytes if self.q_send else 0
+        out += self.q_send[0].nbytes  # one unit order for every chunk's returns
         if self.local is not None:
             out += self.local.q_rows.total * self.q_arranged.itemsize
             out += self.local.k_gather.total * self.kv_arranged.itemsize if kv_fills else 0
@@ -344,7 +344,8 @@ def kv_rows_read(kv_offset, k_len, num_rows: int) -> bool:
     rows: each group's run ends where the longest key prefix of its entries ends. True under a prefix fetch; a
     whole-group fetch holds rows past them. The backward then builds a piece's dK|dV sums from each row's first
     packed row instead of zeros (``runtime.routes.DeviceTables.k_first``)."""
-    off, end = np.asarray(kv_offset, dtype=np.int64), np.asarray(kv_offset, dtype=np.int64) + np.asarray(k_len, dtype=np.int64)
+    off = np.asarray(kv_offset, dtype=np.int64)
+    end = off + np.asarray(k_len, dtype=np.int64)
     if off.size == 0:
         return num_rows == 0
     order = np.argsort(off, kind="stable")

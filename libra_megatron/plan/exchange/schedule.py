@@ -198,14 +198,15 @@ class _Rank:
         self.copy("gather", sum(sp.send), self.sz.kv, tag, m)
         return (self.exchange(sp, self.sz.kv, self.relay_comm, tag, m), sp)
 
-    def relay_early(self, splits: Optional[RouteSplits], row_bytes: int, tag: str, m: int):
-        """``runtime.relay.relay_early``: a rank that sends no row on a relay route issues its exchange at once, with
-        an empty send buffer (no gather), so a peer waiting for relayed rows never waits for this rank's other work;
-        None where the route is absent, this rank sends rows (it issues after they are computed) or the relay
+    def relay_early(self, m: int):
+        """``runtime.relay.relay_early``: a rank that sends no relayed row issues chunk m's relay exchange at once,
+        with an empty send buffer (no gather), so a peer waiting for relayed rows never waits for this rank's other
+        work; None without a relay, where this rank sends rows (it issues after they are placed) or where the relay
         shares the pool's communicator (an early issue would reorder that communicator's exchanges)."""
-        if splits is None or sum(splits.send) or self.relay_comm != RELAY:
+        sp = self.t.relay_splits
+        if sp is None or sum(sp.send) or self.relay_comm != RELAY:
             return None
-        return (self.exchange(splits, row_bytes, self.relay_comm, tag, m), splits)
+        return (self.exchange(sp, self.sz.kv, self.relay_comm, "relay", m), sp)
 
     # ------------------------------------------------------------------ kernels
     def packed_kv(self, k_rows: int, tag: str, m: int) -> None:
@@ -248,7 +249,7 @@ class _FwdChunk:
     def __init__(self, rk: _Rank, m: int, q_pend, kv_pend, split: bool):
         t = rk.t
         self.rk, self.m, self.q_pend, self.kv_pend, self.split = rk, m, q_pend, kv_pend, split
-        self.relay_pend = rk.relay_early(t.relay_splits, rk.sz.kv, "relay", m) if kv_pend is not None else None
+        self.relay_pend = rk.relay_early(m) if kv_pend is not None else None
         self.whole = split and len(t.remote.q_lens) == 0 and t.heads is None
         self.head = False
         self.tails_done = False
@@ -380,15 +381,15 @@ def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
     nk = sum(t.k_lens)
     rk.cat(nk, sz.kv, "dkv", m)  # packed dK|dV
     rk.cast(nk, sz.kv, sz.dkv_acc, "dkv", m)
-    if fresh and not t.kv_rows_read:  # some arranged row is no entry's key: the fp32 sums start at zero
-        rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
-    if not fresh or not t.kv_rows_read:  # (or a later chunk of the piece) add into the fp32 sums
-        rk.copy("add", nk, sz.dkv_acc, "dkv", m)
+    if fresh and t.kv_rows_read:  # the piece's first chunk: every arranged row's first packed row, the others added
+        rk.copy("gather", t.kv_target_len, sz.dkv_acc, "dkv", m)
+        if nk > t.kv_target_len:
+            rk.copy("gather", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
+            rk.copy("add", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
         return
-    rk.copy("gather", t.kv_target_len, sz.dkv_acc, "dkv", m)  # the first chunk: every arranged row's first packed row
-    if nk > t.kv_target_len:  # the other packed rows, gathered and added
-        rk.copy("gather", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
-        rk.copy("add", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
+    if fresh:  # some arranged row is no entry's key: the fp32 sums start at zero
+        rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
+    rk.copy("add", nk, sz.dkv_acc, "dkv", m)
 
 
 def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:

@@ -93,7 +93,7 @@ def priced_lanes_apply(layout: SyncLayout) -> bool:
 def lane_members(flops: np.ndarray, layout: SyncLayout) -> np.ndarray:
     """int64 [lanes, GA*P]: the window positions of every lane, as cut at PP = 1 (Algorithm 1 into groups of
     GA*P, then heaviest/lightest swaps on F)."""
-    return _balanced_groups(flops, layout.num_microbatches * layout.pool_size, _LANE_SWAPS_PER_GROUP)
+    return _balanced_groups(flops, layout.num_microbatches * layout.pool_size, LANE_SWAPS_PER_GROUP)
 
 
 def like_with_like(flops: np.ndarray, members: np.ndarray, pool_size: int) -> np.ndarray:
@@ -139,7 +139,7 @@ def _instances_to_lanes(flops: np.ndarray, layout: SyncLayout, alg1: np.ndarray)
     ga, pool = layout.num_microbatches, layout.pool_size
     pools = alg1.reshape(-1, pool)  # [K, P]: Algorithm 1's order
     loads = flops[pools].sum(axis=1)
-    by_lane = _balanced_groups(loads, ga, _LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
+    by_lane = _balanced_groups(loads, ga, LANE_SWAPS_PER_GROUP)  # [lanes, GA] pool indices
     grid = pools[by_lane.T]  # [GA, lanes, P]
     return _order_microbatches(flops, grid, layout).reshape(-1)
 
@@ -148,13 +148,13 @@ def _balanced_groups(flops: np.ndarray, group_size: int, swaps_per_group: int) -
     """Algorithm 1 into groups of ``group_size``, then at most ``swaps_per_group`` * groups heaviest/lightest
     swaps: int64 [groups, group_size]."""
     start = place_alg1(flops, group_size).reshape(-1, group_size)
-    return _swap_heaviest_with_lightest(flops, start, swaps_per_group * start.shape[0]) if swaps_per_group else start
+    return swap_heaviest_with_lightest(flops, start, swaps_per_group * start.shape[0]) if swaps_per_group else start
 
 
-_LANE_SWAPS_PER_GROUP = 8  # like plan.sequences: the loop almost always stops far earlier
+LANE_SWAPS_PER_GROUP = 8  # like plan.sequences: the loop almost always stops far earlier
 
 
-def _swap_heaviest_with_lightest(flops: np.ndarray, lanes: np.ndarray, max_swaps: int) -> np.ndarray:
+def swap_heaviest_with_lightest(flops: np.ndarray, lanes: np.ndarray, max_swaps: int) -> np.ndarray:
     """Swaps between the heaviest and the lightest lane while they lower the heaviest (each strictly lowers
     the pair's maximum, so the sorted load vector falls and the loop ends). ``lanes`` [num_lanes, n]."""
     grid = lanes.copy()

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .lanes import lane_members, like_with_like, microbatch_orders
+from .lanes import LANE_SWAPS_PER_GROUP, lane_members, like_with_like, microbatch_orders, swap_heaviest_with_lightest
 from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1, place_contiguous
 
@@ -35,7 +35,6 @@ __all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "ch
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
 CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
 EXHAUSTIVE_GA = 5  # up to this many microbatches a lane tries every order (5! = 120), after microbatch_orders'
-LANE_SWAPS_PER_LANE = 8  # PP = 1 pool swaps between lanes (``balance_lane_seconds``); the loop mostly stops far earlier
 
 GROUPINGS = ("like", "alg1")
 
@@ -143,27 +142,17 @@ def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sy
 def balance_lane_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -> np.ndarray:
     """PP = 1 (a lane runs its pools one after another, so its time is their sum): ``order``'s pools swapped whole
     between the lane priced heaviest and the one priced lightest (forward + backward of ``pool_seconds``, priced
-    once: a pool keeps its sequences, only its lane changes), each time the swap leaving the smaller pair maximum,
-    while it lowers the heavier lane; at most ``LANE_SWAPS_PER_LANE`` per lane. The heaviest lane never gets
-    heavier under the prices, and the window's multiset and every pool are kept. int64 (GBS,), GA-major,
-    pool-minor (pool g*lanes + j: lane j's g-th microbatch; at PP = 1 its position in the lane does not matter)."""
+    once: a pool keeps its sequences, only its lane changes) by ``lanes.swap_heaviest_with_lightest`` -- the F
+    lanes' own swap rule: each time the swap leaving the smaller pair maximum, while it lowers the heavier lane, at
+    most ``LANE_SWAPS_PER_GROUP`` per lane. The heaviest lane never gets heavier under the prices, and the window's
+    multiset and every pool are kept. int64 (GBS,), GA-major, pool-minor (pool g*lanes + j: lane j's g-th
+    microbatch; at PP = 1 its position in the lane does not matter)."""
     ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    grid = np.asarray(order, dtype=np.int64).reshape(ga, lanes, pool).copy()
-    fwd, bwd = _checked_seconds(pool_seconds, grid.reshape(-1, pool))
-    seconds = (fwd + bwd).reshape(ga, lanes)
-    totals = seconds.sum(axis=0)
-    for _ in range(LANE_SWAPS_PER_LANE * lanes):
-        heavy, light = int(totals.argmax()), int(totals.argmin())
-        moved = seconds[:, heavy][:, None] - seconds[:, light][None, :]  # [g_heavy, g_light]
-        pair_max = np.maximum(totals[heavy] - moved, totals[light] + moved)
-        g_heavy, g_light = np.unravel_index(int(pair_max.argmin()), pair_max.shape)  # the first of equal maxima
-        if not pair_max[g_heavy, g_light] < totals[heavy]:
-            break
-        grid[[g_heavy, g_light], [heavy, light]] = grid[[g_light, g_heavy], [light, heavy]]
-        seconds[[g_heavy, g_light], [heavy, light]] = seconds[[g_light, g_heavy], [light, heavy]]
-        totals[heavy] -= moved[g_heavy, g_light]
-        totals[light] += moved[g_heavy, g_light]
-    return grid.reshape(-1)
+    pools = np.asarray(order, dtype=np.int64).reshape(ga * lanes, pool)
+    fwd, bwd = _checked_seconds(pool_seconds, pools)
+    by_lane = np.arange(ga * lanes).reshape(ga, lanes).T  # [lanes, GA] pool indices
+    by_lane = swap_heaviest_with_lightest(fwd + bwd, by_lane, LANE_SWAPS_PER_GROUP * lanes)
+    return pools[by_lane.T].reshape(-1)
 
 
 def assemble_order(chosen: Sequence[np.ndarray], layout: SyncLayout) -> np.ndarray:
