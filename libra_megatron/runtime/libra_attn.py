@@ -132,7 +132,10 @@ def _dispatch_q(cx: _Ctx, src_view, m: int, kind: str):
 
 def _dispatch_kv(cx: _Ctx, k_view, v_view, m: int, kind: str):
     idx = cx.tables.chunks[m].kv_fwd
-    send = torch.cat([k_view.index_select(0, idx.send_rows), v_view.index_select(0, idx.send_rows)], dim=1)
+    kp = k_view.shape[1]
+    send = k_view.new_empty((idx.send_rows.shape[0], 2 * kp, k_view.shape[2]))
+    torch.index_select(k_view, 0, idx.send_rows, out=send[:, :kp])  # K and V gathered straight into the
+    torch.index_select(v_view, 0, idx.send_rows, out=send[:, kp:])  # send buffer's halves: no cat pass
     return start_exchange(send, idx, cx.group, cx.stats, kind)
 
 
@@ -320,7 +323,9 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     k_pk, v_pk = packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
                                      cx.deterministic)
-    packed = torch.cat([dk_pk, dv_pk], dim=1).to(cx.acc_dtype)
+    packed = dk_pk.new_empty((dk_pk.shape[0], 2 * dk_pk.shape[1], dk_pk.shape[2]), dtype=cx.acc_dtype)
+    packed[:, : dk_pk.shape[1]].copy_(dk_pk)  # widened straight into the K|V halves: no cat pass
+    packed[:, dk_pk.shape[1] :].copy_(dv_pk)
     if dkv_arr is None and cx.tables.k_first is not None:  # the piece's first chunk: first rows, the others added
         dkv_arr = packed.index_select(0, cx.tables.k_first)
         if cx.tables.k_repeat.shape[0]:

@@ -17,7 +17,8 @@ process, it lists in issue order
               kernels there: ``torch.cat`` ("elementwise": bytes of the result), ``Tensor.to`` that changes the
               dtype ("widen" to a larger element, else "elementwise": mean of bytes read and written) and
               ``Tensor.new_zeros`` ("elementwise": half the bytes of the result), ``Tensor.copy_`` ("elementwise":
-              bytes of the destination)
+              bytes of the destination; one that changes the dtype as ``Tensor.to``); ``torch.index_select``
+              (the function, e.g. with ``out=`` a view of a send buffer) as the method
 
 and hands them back with ``take()`` (the ops since the last take; exchange numbers restart at 0). Nothing is patched outside the ``with``
 block: the runtime's code path carries none of this. ``tests/runtime/test_op_list.py`` compares the lists with
@@ -165,7 +166,10 @@ class OpRecorder:
                 return original(*args, **kwargs)
             with recorder.quiet():
                 result = original(*args, **kwargs)
-            if kind in ("cat", "copy"):
+            if kind == "copy" and args[1].dtype != result.dtype:  # copy_(src) that casts: as ``Tensor.to``
+                src, dst = args[1].element_size(), result.element_size()
+                recorder.ops.append(Copy("widen" if dst > src else "elementwise", result.numel() * (src + dst) // 2))
+            elif kind in ("cat", "copy"):
                 recorder.ops.append(Copy("elementwise", _nbytes(result)))
             elif kind == "fill":
                 recorder.ops.append(Copy("elementwise", _nbytes(result) // 2))
@@ -208,7 +212,8 @@ def record_ops(comms: Mapping[object, str]):
 
     recorder = OpRecorder(comms)
     saved = [(routes, "dist", routes.dist), (libra_attn, "resolve_backend", libra_attn.resolve_backend),
-             (libra_attn, "device_tables", libra_attn.device_tables), (torch, "cat", torch.cat)]
+             (libra_attn, "device_tables", libra_attn.device_tables), (torch, "cat", torch.cat),
+             (torch, "index_select", torch.index_select)]
     saved += [(torch.Tensor, name, torch.Tensor.__dict__.get(name)) for name, _ in _COPY_METHODS + _DENSE_METHODS]
     original_resolve, original_tables = libra_attn.resolve_backend, libra_attn.device_tables
     routes.dist = _DistProxy(routes.dist, recorder)
@@ -220,6 +225,7 @@ def record_ops(comms: Mapping[object, str]):
 
     libra_attn.device_tables = quiet_tables
     torch.cat = recorder.dense(torch.cat, "cat")
+    torch.index_select = recorder.copy_method(torch.index_select, "gather")
     for name, op in _COPY_METHODS:
         setattr(torch.Tensor, name, recorder.copy_method(getattr(torch.Tensor, name), op))
     for name, kind in _DENSE_METHODS:

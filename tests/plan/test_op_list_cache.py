@@ -1,4 +1,4 @@
-"""The dense placement's op-list cache (``plan.exchange.schedule.rank_content_key``): candidate placements of one
+"""The dense placement's op-list cache (``plan.exchange.schedule.rank_ops_key``): candidate placements of one
 pool share most ranks' plans, and a rank's op lists are built once per distinct plan. The cache may only skip work:
 equal keys must mean equal op lists, and a cached pricing must equal an uncached one."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import numpy as np
 
 from libra_megatron.config import KvFetch, TilePlacement, TilingPolicy, TokenLayoutKind
 from libra_megatron.plan.exchange import build_exchange_plan, plan_layer_timing
-from libra_megatron.plan.exchange.schedule import layer_ops, rank_content_key, rank_layer_ops
+from libra_megatron.plan.exchange.runtime_tables import rank_sizes
+from libra_megatron.plan.exchange.schedule import layer_ops, rank_layer_ops, rank_ops_key
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.plan.tiles import build_tiles, place_tiles
@@ -36,7 +37,7 @@ def test_equal_keys_mean_equal_op_lists_and_the_cache_changes_no_price():
         for r in range(W):
             rank_plan = plan.for_rank(r)
             ops = rank_layer_ops(rank_plan)
-            keyed.setdefault(rank_content_key(rank_plan), set()).add(ops)
+            keyed.setdefault(_key(rank_plan), set()).add(ops)
     assert all(len(lists) == 1 for lists in keyed.values())  # a key never stands for two different op lists
     assert W < len(keyed) < 2 * W  # the moved tile changed some ranks' plans, not all of them
     cache = {}
@@ -50,13 +51,19 @@ def test_equal_keys_mean_equal_op_lists_and_the_cache_changes_no_price():
     assert len(cache) == len(keyed)  # every distinct rank plan built once over both candidates
 
 
+def _key(rank_plan):
+    return rank_ops_key(rank_sizes(rank_plan), rank_plan.heads, rank_plan.rank, rank_plan.num_workers,
+                        rank_plan.local_tokens, rank_plan.local_lead)
+
+
 def test_the_key_sees_each_field_the_op_lists_read():
     import dataclasses
 
     _, plans = _candidates()
     rank_plan = plans[0].for_rank(1)
-    base = rank_content_key(rank_plan)
+    base = _key(rank_plan)
     for change in (dict(local_lead=rank_plan.local_lead + 1), dict(rank=0), dict(local_tokens=rank_plan.local_tokens + 1),
-                   dict(seq_k_len=rank_plan.seq_k_len + 1), dict(kv_route=rank_plan.q_route)):
-        assert rank_content_key(dataclasses.replace(rank_plan, **change)) != base, change
-    assert rank_content_key(dataclasses.replace(rank_plan, fingerprint="another pool")) == base  # not read
+                   dict(seq_k_len=rank_plan.seq_k_len + 1), dict(kv_route=rank_plan.q_route),
+                   dict(heads=dataclasses.replace(rank_plan.heads, elem_bytes=4))):
+        assert _key(dataclasses.replace(rank_plan, **change)) != base, change
+    assert _key(dataclasses.replace(rank_plan, fingerprint="another pool")) == base  # not read

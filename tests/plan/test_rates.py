@@ -85,13 +85,39 @@ def _as_profiled_sums(ops) -> list:
     return out
 
 
+def _as_profiled_cats(ops) -> list:
+    """The profiled runtime concatenated K and V: the K|V dispatch gathered K and V rows, then ``torch.cat`` wrote
+    the send buffer, and the backward cast ``torch.cat([dk, dv])`` to fp32 in one call. The runtime now gathers K and
+    V straight into the send buffer's halves and widens dK and dV straight into the fp32 halves: each such pair of
+    gathers gets its profiled cat (the bytes of both) back, each pair of widening copies becomes the profiled cat
+    of the bf16 rows and one widening cast of them."""
+    out, i, dispatched = [], 0, set()
+    while i < len(ops):
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        pair = isinstance(op, Copy) and isinstance(nxt, Copy) and (op.op, op.tag, op.chunk, op.nbytes) == \
+            (nxt.op, nxt.tag, nxt.chunk, nxt.nbytes)
+        # a chunk's K|V dispatch is its first K|V op (placing and packing come after it)
+        if pair and op.op == "gather" and op.tag in ("kv", "kv_bwd") and (op.tag, op.chunk) not in dispatched:
+            dispatched.add((op.tag, op.chunk))
+            out += [op, nxt, Copy("elementwise", 2 * op.nbytes, op.tag, op.chunk)]
+            i += 2
+            continue
+        if pair and (op.op, op.tag) == ("widen", "dkv"):  # bf16 -> fp32: each cast moves (2 + 4) / 2 bytes per element
+            out += [Copy("elementwise", 2 * op.nbytes * 2 // 3, "dkv", op.chunk), Copy("widen", 2 * op.nbytes, "dkv", op.chunk)]
+            i += 2
+            continue
+        out.append(op)
+        i += 1
+    return out
+
+
 def _as_profiled(ops) -> list:
     """The profiled runtime placed the O and dQ returns by one ``index_put_`` each; the runtime now gathers them
     into unit order and copies them into the chunk's strided view (the same bytes in two calls): each such
     gather + copy pair counts as the one profiled place. And it started a kv piece's dK|dV sums from zeros (a
     fill of half their bytes) and added every packed row; the runtime now gathers each row's first packed row
-    and adds the others (``_as_profiled_sums``)."""
-    ops = _as_profiled_sums(ops)
+    and adds the others (``_as_profiled_sums``); and it concatenated K and V (``_as_profiled_cats``)."""
+    ops = _as_profiled_sums(_as_profiled_cats(ops))
     out, i = [], 0
     while i < len(ops):
         op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None

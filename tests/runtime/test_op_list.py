@@ -287,9 +287,10 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
     assert want <= steps, want - steps
     kinds = {(phase, op.op, op.tag) for per_rank in generated for ops in per_rank
              for phase, phase_ops in zip(("f", "b"), ops) for op in phase_ops if isinstance(op, Copy)}
-    # the dense kernels: K|V cat, bf16 dK|dV widened to fp32 and narrowed for the wire, fp32 sums zeroed, the merge
-    assert {("f", "elementwise", "kv"), ("b", "widen", "dkv"), ("b", "elementwise", "dkv"),
+    # the dense kernels: bf16 dK|dV widened to fp32 and narrowed for the wire, fp32 sums zeroed, the merge
+    assert {("b", "widen", "dkv"), ("b", "elementwise", "dkv"),
             ("f", "widen", "merge"), ("f", "elementwise", "merge")} <= kinds, kinds
+    assert ("f", "elementwise", "kv") not in kinds  # K and V are gathered into the send buffer's halves: no cat
     relay_ops = [op for per_rank in generated for ops in per_rank for op in ops[0] if op.tag == "relay"]
     places = sum(isinstance(op, Copy) and op.op == "place" for op in relay_ops)
     exchanges = sum(isinstance(op, Exchange) for op in relay_ops)

@@ -10,6 +10,7 @@
     schedule        every rank's op list of a layer, forward and backward, as the runtime issues it
     runtime_tables  ``rank_tables``: a rank's plan as index runs for the runtime (cached); ``rank_sizes``: its
                     split sizes and varlen lengths alone (what the op lists read)
+    pool_sizes      ``pool_rank_sizes``: every rank's ``rank_sizes`` at once, from the pool-wide tables
     validate        ``validate_plan``: every structural invariant, checked before any collective
 
 Imports ``plan.model``, ``plan.layout``, ``plan.errors`` and ``config``; never ``plan.tiles`` or ``plan.sequences``.

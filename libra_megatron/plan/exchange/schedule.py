@@ -15,16 +15,16 @@ dK|dV sums in the accumulation dtype (``a`` = 4, 8 for fp64), e = ``HeadLayout.e
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..model import POOL, RELAY, Copy, Exchange, Kernel, Wait
+from .pool_sizes import pool_rank_sizes, sizes_key
 from .runtime_tables import RankSizes, RouteSplits, rank_sizes
 
-__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_content_key"]
+__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_ops_key"]
 
 SAVE_MODES = ("arranged", "refetch")
 INVERSE_Q_TAGS = ("o", "dq")  # the returns along the inverse Q route: each fills its chunk's rows of the output
@@ -79,16 +79,20 @@ class _Rank:
     def copy(self, op: str, rows: int, row_bytes: int, tag: str, m: int) -> None:
         self.ops.append(Copy(op, int(rows) * int(row_bytes), tag, m))
 
-    def cat(self, rows: int, row_bytes: int, tag: str, m: int) -> None:
-        """``torch.cat`` of the rows' parts (reads and writes every byte once)."""
-        self.ops.append(Copy("elementwise", int(rows) * int(row_bytes), tag, m))
-
     def cast(self, rows: int, src_row_bytes: int, dst_row_bytes: int, tag: str, m: int) -> None:
         """``Tensor.to(dtype)`` of rows (a kernel only when the dtype changes): the mean of bytes read and written;
         "widen" to a larger element, else "elementwise"."""
         if src_row_bytes != dst_row_bytes:
             kind = "widen" if dst_row_bytes > src_row_bytes else "elementwise"
             self.ops.append(Copy(kind, int(rows) * (int(src_row_bytes) + int(dst_row_bytes)) // 2, tag, m))
+
+    def copy_into(self, rows: int, src_row_bytes: int, dst_row_bytes: int, tag: str, m: int) -> None:
+        """``Tensor.copy_`` of rows into a (strided) view: a dense copy of the destination's bytes, or, when the
+        dtype changes, a cast (``cast``)."""
+        if src_row_bytes == dst_row_bytes:
+            self.ops.append(Copy("elementwise", int(rows) * int(dst_row_bytes), tag, m))
+        else:
+            self.cast(rows, src_row_bytes, dst_row_bytes, tag, m)
 
     def fill(self, rows: int, row_bytes: int, tag: str, m: int) -> None:
         """``new_zeros``: writes only, half the bytes of a copy of that size."""
@@ -135,9 +139,8 @@ class _Rank:
 
     def dispatch_kv(self, m: int, tag: str):
         sp = self.t.kv_splits
-        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # K rows
-        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows
-        self.cat(sum(sp.send), self.sz.kv, tag, m)  # K|V rows of the send buffer
+        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # K rows, straight into the send buffer's K half
+        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows, into its V half
         return (self.exchange(sp, self.sz.kv, POOL, tag, m), sp)
 
     def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int):
@@ -313,20 +316,20 @@ class _FwdChunk:
         self.rk.copy("place", sp.self_rows, self.rk.sz.q, "o_self", self.m)
 
 
-def _lead(plan, t: RankSizes, M: int) -> int:
+def _lead(local_lead: int, t: RankSizes, M: int) -> int:
     """``runtime.libra_attn._lead``."""
     if t.local is None:
         return M + 1
-    if 0 <= plan.local_lead <= M + 1:
-        return plan.local_lead
+    if 0 <= local_lead <= M + 1:
+        return local_lead
     return M if len(t.remote.q_lens) == 0 and t.heads is None else M - 1
 
 
-def _forward(rk: _Rank, plan) -> None:
-    """``runtime.libra_attn._fwd``."""
+def _forward(rk: _Rank, local_lead: int) -> None:
+    """``runtime.libra_attn._fwd``; ``local_lead`` = ``RankPlan.local_lead``."""
     t, M = rk.t, rk.heads.num_chunks
     sends = rk.heads.kv_send_chunks()
-    lead = _lead(plan, t, M)
+    lead = _lead(local_lead, t, M)
     split = t.local is not None and lead <= M
     chunks = []
     for m in range(M):
@@ -379,8 +382,8 @@ def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
     rk.packed_kv(sum(t.k_lens), "kv", m)
     rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
     nk = sum(t.k_lens)
-    rk.cat(nk, sz.kv, "dkv", m)  # packed dK|dV
-    rk.cast(nk, sz.kv, sz.dkv_acc, "dkv", m)
+    for _ in "KV":  # packed dK and dV copied into the halves of the packed dK|dV, in the accumulation dtype
+        rk.copy_into(nk, sz.k, sz.dkv_acc // 2, "dkv", m)
     if fresh and t.kv_rows_read:  # the piece's first chunk: every arranged row's first packed row, the others added
         rk.copy("gather", t.kv_target_len, sz.dkv_acc, "dkv", m)
         if nk > t.kv_target_len:
@@ -435,60 +438,61 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         rk.cast(local_rows, sz.dkv_acc // 2, sz.kv // 2, "dkv", -1)
 
 
+def _check_modes(save_mode: str, relay_comm: str) -> None:
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if relay_comm not in (POOL, RELAY):
+        raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
+
+
+def _rank_ops(sizes: RankSizes, heads, rank: int, num_workers: int, local_tokens: int, local_lead: int,
+              save_mode: str, relay_comm: str) -> Tuple[tuple, tuple]:
+    """(forward ops, backward ops) of one rank from everything they read (``rank_layer_ops``)."""
+    fwd = _Rank(sizes, heads, rank, num_workers, relay_comm)
+    _forward(fwd, local_lead)
+    bwd = _Rank(sizes, heads, rank, num_workers, relay_comm)
+    _backward(bwd, save_mode == "refetch", local_tokens * heads.kv_pieces_per_token)
+    return tuple(fwd.ops), tuple(bwd.ops)
+
+
 def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> Tuple[tuple, tuple]:
     """(forward ops, backward ops) of one ``RankPlan`` (module docstring). ``save_mode`` "arranged" | "refetch";
     ``relay_comm``: the communicator the relay runs on ("relay": its twin group, as the launcher sets it up;
     "pool": ``libra_attn_func(relay_group=None)``). Received rows are copied at the *target's* row bytes:
     ``PendingExchange.into`` casts the received rows to the target dtype, then copies (dK|dV that travel at the
     input dtype are added as fp32 rows)."""
-    if save_mode not in SAVE_MODES:
-        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
-    if relay_comm not in (POOL, RELAY):
-        raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
-    tables = rank_sizes(plan)
-    fwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
-    _forward(fwd, plan)
-    bwd = _Rank(tables, plan.heads, plan.rank, plan.num_workers, relay_comm)
-    _backward(bwd, save_mode == "refetch", plan.local_tokens * plan.heads.kv_pieces_per_token)
-    return tuple(fwd.ops), tuple(bwd.ops)
+    _check_modes(save_mode, relay_comm)
+    return _rank_ops(rank_sizes(plan), plan.heads, plan.rank, plan.num_workers, plan.local_tokens, plan.local_lead,
+                     save_mode, relay_comm)
 
 
-def rank_content_key(plan) -> bytes:
-    """A digest of everything ``rank_layer_ops`` reads from a ``RankPlan`` (its rank, pool size, tokens, heads,
-    lead, routes and varlen entries; not the pool's fingerprint): equal keys, equal op lists. Candidate placements
-    of one pool share most ranks' plans (``plan.tiles.placement._run_dense``), so their op lists are built once."""
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(repr((plan.rank, plan.num_workers, plan.local_tokens, plan.local_lead, plan.heads)).encode())
-
-    def arrays(*xs) -> None:
-        for x in xs:
-            x = np.ascontiguousarray(x, dtype=np.int64)
-            digest.update(np.int64(x.size).tobytes())
-            digest.update(x.tobytes())
-
-    for route in (plan.q_route, plan.kv_route, plan.relay_route):
-        if route is None:
-            digest.update(b"-")
-            continue
-        arrays(route.send_splits, route.recv_splits, route.send_runs.start, route.send_runs.count,
-               route.recv_runs.start, route.recv_runs.count,
-               [route.send_runs.stride, route.recv_runs.stride, route.source_len, route.target_len, route.accumulate])
-    arrays(plan.cu_seqlens_q, plan.seq_kv_offset, plan.seq_k_len)
-    return digest.digest()
+def rank_ops_key(sizes: RankSizes, heads, rank: int, num_workers: int, local_tokens: int, local_lead: int) -> tuple:
+    """Everything ``rank_layer_ops`` reads of a rank (its sizes: ``pool_sizes.sizes_key``; rank, pool size, tokens,
+    heads, lead; not the pool's fingerprint), hashable: equal keys, equal op lists. Candidate placements of one
+    pool share most ranks' sizes (``plan.tiles.placement._run_dense``), so their op lists are built once."""
+    return (rank, num_workers, local_tokens, local_lead, heads, sizes_key(sizes))
 
 
 def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY,
               cache: Optional[Dict[tuple, Tuple[tuple, tuple]]] = None) -> LayerOps:
-    """``rank_layer_ops`` of every rank of an ``ExchangePlan``. ``cache``: a dict shared by several plans of one pool
-    (``rank_content_key``): a rank whose plan another candidate already had reuses its op lists."""
-    per_rank = []
-    for r in range(plan.num_workers):
-        rank_plan = plan.for_rank(r)
+    """``rank_layer_ops`` of every rank of an ``ExchangePlan``, every rank's sizes read at once from the plan's
+    pool-wide tables (``pool_sizes.pool_rank_sizes``). ``cache``: a dict shared by several plans of one pool
+    (``rank_ops_key``): a rank whose sizes another candidate already had reuses its op lists."""
+    _check_modes(save_mode, relay_comm)
+    tables = getattr(plan.ranks, "_tables", None)
+    W, per_rank = plan.num_workers, []
+    for r, sizes in enumerate(pool_rank_sizes(plan)):
+        if tables is None:
+            rank_plan = plan.for_rank(r)
+            inputs = (sizes, rank_plan.heads, r, W, rank_plan.local_tokens, rank_plan.local_lead)
+        else:
+            lead = -1 if tables.local_lead is None else int(tables.local_lead[r])
+            inputs = (sizes, tables.heads, r, W, tables.local_tokens, lead)
         if cache is None:
-            per_rank.append(rank_layer_ops(rank_plan, save_mode, relay_comm))
+            per_rank.append(_rank_ops(*inputs, save_mode, relay_comm))
             continue
-        key = (rank_content_key(rank_plan), save_mode, relay_comm)
+        key = (rank_ops_key(*inputs), save_mode, relay_comm)
         if key not in cache:
-            cache[key] = rank_layer_ops(rank_plan, save_mode, relay_comm)
+            cache[key] = _rank_ops(*inputs, save_mode, relay_comm)
         per_rank.append(cache[key])
     return LayerOps(tuple(f for f, _ in per_rank), tuple(b for _, b in per_rank))
