@@ -13,22 +13,12 @@ from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.plan.tiles import build_tiles, place_tiles
 from libra_megatron.testing.traces import packed_trace_segments
 
-from .test_rank_tables import HEADS, _plan
+from .test_rank_tables import HEADS, _plan, assert_size_fields
 
 
 def _assert_same_sizes(got: RankSizes, want: RankSizes) -> set:
     """Field for field (entry sets by their lengths); returns the entry sets present."""
-    present = set()
-    for name in RankSizes.__dataclass_fields__:
-        a, b = getattr(got, name), getattr(want, name)
-        if name in ("local", "remote", "heads"):
-            assert (a is None) == (b is None), name
-            if b is not None:
-                present.add(name)
-                assert (a.q_lens, a.k_lens) == (b.q_lens, b.k_lens), name
-        else:
-            assert a == b, name
-    return present
+    return assert_size_fields(got, want, RankSizes.__dataclass_fields__)
 
 
 @pytest.mark.parametrize("hq, hkv, H, M", HEADS)

@@ -163,6 +163,21 @@ def test_index_runs_expand_like_concatenated_ranges():
         assert runs.index_range() == ((min(want), max(want) + 1) if want else (0, 0))
 
 
+def assert_size_fields(got, want, fields) -> set:
+    """``got`` and ``want`` agree on every named field (entry sets by their lengths); returns the entry sets present."""
+    present = set()
+    for name in fields:
+        a, b = getattr(got, name), getattr(want, name)
+        if name in ("local", "remote", "heads"):
+            assert (a is None) == (b is None), name
+            if b is not None:
+                present.add(name)
+                assert (a.q_lens, a.k_lens) == (b.q_lens, b.k_lens), name
+        else:
+            assert a == b, name
+    return present
+
+
 @pytest.mark.parametrize("hq, hkv, H, M", HEADS)
 @pytest.mark.parametrize("kv_fetch, relay", [("group", False), ("prefix", False), ("prefix", True)])
 def test_rank_sizes_are_the_size_fields_of_the_rank_tables(hq, hkv, H, M, kv_fetch, relay):
@@ -170,19 +185,10 @@ def test_rank_sizes_are_the_size_fields_of_the_rank_tables(hq, hkv, H, M, kv_fet
     from libra_megatron.plan.exchange import RankSizes, rank_sizes
 
     _, plan = _plan(hq, hkv, H, M, kv_fetch, relay=relay)
-    fields = [f for f in RankSizes.__dataclass_fields__]
     seen_sets = set()
     for w in range(plan.num_workers):
         rp = plan.for_rank(w)
         sizes, tables = rank_sizes(rp), build_rank_tables(rp)
-        for name in fields:
-            got, want = getattr(sizes, name), getattr(tables, name)
-            if name in ("local", "remote", "heads"):
-                assert (got is None) == (want is None), name
-                if want is not None:
-                    seen_sets.add(name)
-                    assert (got.q_lens, got.k_lens) == (want.q_lens, want.k_lens), name
-            else:
-                assert got == want, name
+        seen_sets |= assert_size_fields(sizes, tables, RankSizes.__dataclass_fields__)
         assert (sizes.relay_splits is None) == (tables.relay_send is None) == (not relay)
     assert "remote" in seen_sets or plan.num_workers == 1
