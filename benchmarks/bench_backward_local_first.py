@@ -123,13 +123,13 @@ def main() -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     cfg = LibraConfig.from_yaml(os.path.join(root, yaml))
     hq, hkv = MODELS[args.model]
-    heads = HeadLayout(hq, hkv, 128, head_split=cfg.head_split, num_chunks=cfg.num_chunks, elem_bytes=2)
+    heads = HeadLayout(hq, hkv, 128, head_split=cfg.head_split, num_chunks=cfg.chunks_for(hq, hkv), elem_bytes=2)
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
     model = StepTimeModel(128)
     segs = pack(load_trace(find_trace(TRACES[args.trace])), seq_len)
     totals = np.zeros(3)
     print(f"{args.trace} {args.seq_len} {args.model}, P={cfg.pool_size} CP={cp} H={cfg.head_split} "
-          f"M={cfg.num_chunks} B={cfg.block_size}: pool layer ms (slowest forward + slowest backward)")
+          f"M={cfg.chunks_for(hq, hkv)} B={cfg.block_size}: pool layer ms (slowest forward + slowest backward)")
     for i, pool in enumerate(pools_of(segs, args.pools)):
         plan = plan_pool(pool, cfg, layout, heads, validate=False).exchange
         shipped, every, best, cands, kept = study_pool(plan, model)

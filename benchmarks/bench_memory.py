@@ -56,7 +56,7 @@ def measure(name: str, doc_lens, limit: int, budget_gb: float, alive: int) -> di
     seq_len, cp, gbs, yaml_path = CASES[name]
     config = LibraConfig.from_yaml(os.path.join(ROOT, yaml_path))
     layout = TokenLayout(config.token_layout, seq_len, cp)
-    heads = HeadLayout(*HEADS, config.head_split, config.num_chunks, elem_bytes=2)
+    heads = HeadLayout(*HEADS, config.head_split, config.chunks_for(*HEADS[:2]), elem_bytes=2)
     rows = {"arranged": [], "refetch": [], "tables": [], "auto": []}
     for segs in pools(doc_lens, seq_len, gbs, config.pool_size, limit):
         plan = plan_pool(segs, config, layout, heads, validate=False)

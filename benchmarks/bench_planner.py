@@ -131,13 +131,13 @@ NUM_CHUNKS = None  # --num-chunks; None: the shipped configs/libra/*.yaml
 SHIPPED = {256 * 1024: "256k.yaml", 1024 * 1024: "1m.yaml"}  # B = H = None in CASES: these files' knobs
 
 
-def shipped_knobs(seq_len: int):
-    """(B, H, M, tau) of the shipped configs/libra YAML for ``seq_len``."""
+def shipped_knobs(seq_len: int, head_dims):
+    """(B, H, M, tau) of the shipped configs/libra YAML for ``seq_len`` (M for ``head_dims``' heads)."""
     from libra_megatron.config import LibraConfig
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "libra", SHIPPED[seq_len])
     cfg = LibraConfig.from_yaml(path)
-    return cfg.block_size, cfg.head_split, cfg.num_chunks, cfg.tau
+    return cfg.block_size, cfg.head_split, cfg.chunks_for(*head_dims[:2]), cfg.tau
 
 
 def _place_and_plan(tiles, head_dim, tau):
@@ -158,7 +158,7 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
     chunks, tau = (8 if seq_len <= 256 * 1024 else 4), 0.03  # the paper-scale cases
     if block is None:
-        block, H, chunks, tau = shipped_knobs(seq_len)
+        block, H, chunks, tau = shipped_knobs(seq_len, head_dims)
     chunks = NUM_CHUNKS or chunks
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=chunks if head_dims[0] % (H * chunks) == 0 else 4,
                        elem_bytes=2)

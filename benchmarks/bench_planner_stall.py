@@ -105,7 +105,7 @@ def main() -> None:
         seq_len, cp, yaml = CASES[case]
         config = LibraConfig.from_yaml(os.path.join(CONFIGS, yaml))
         layout = TokenLayout(config.token_layout, seq_len, cp)
-        heads = HeadLayout(32, 4, 128, config.head_split, config.num_chunks, elem_bytes=2)
+        heads = HeadLayout(32, 4, 128, config.head_split, config.chunks_for(32, 4), elem_bytes=2)
         for trace in args.traces:
             segs = pack(load_trace(find_trace(TRACES[trace])), seq_len)
             pools = [[list(map(int, s)) for s in pool] for pool in pools_of(segs, args.pools)]

@@ -18,7 +18,7 @@ import difflib
 import enum
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 __all__ = [
     "LibraConfig",
@@ -31,6 +31,8 @@ __all__ = [
     "TilingPolicy",
     "KvFetch",
     "flag_name",
+    "AUTO_CHUNKS",
+    "chunks_value",
 ]
 
 
@@ -151,6 +153,14 @@ def _yaml_label(key: str, where: str) -> _Label:
     return f"{key} ({where})", key
 
 
+AUTO_CHUNKS = "auto"  # num_chunks: auto (LibraConfig.chunks_for)
+
+
+def chunks_value(text: str) -> Union[int, str]:
+    """A command-line M: ``auto`` or an integer (argparse ``type``; its ValueError names the value)."""
+    return AUTO_CHUNKS if text == AUTO_CHUNKS else int(text)
+
+
 @dataclass(frozen=True)
 class LibraConfig:
     """Libra knobs. Field names are the YAML keys; each has a ``--libra-*`` flag (see ``flag_name``)."""
@@ -161,8 +171,10 @@ class LibraConfig:
     """H: query heads are cut into H equal shards (SH-Tiles, Eq. 5). H | num_attention_heads."""
     block_size: int = 4096
     """B: tokens per sequence block of an SH-Tile. Blocks never straddle two Q-homes (cut there too)."""
-    num_chunks: int = 4
-    """M: Pipeliner head chunks per tile (§4.4). M | num_attention_heads/H. Paper default 4."""
+    num_chunks: Union[int, str] = 4
+    """M: Pipeliner head chunks per tile (§4.4). M | num_attention_heads/H. Paper default 4. ``auto``: as many
+    chunks as one head shard of one TP rank has K/V heads (at least 1), so that every chunk owns its K/V head and
+    sends its dK|dV home in bf16 right after its own compute (``chunks_for``; resolved by ``validate``)."""
     tau: float = 0.03
     """Load slack of Algorithm 2: target C = (1+tau)*mean worker load. Paper default 0.03."""
     sequence_placement: SequencePlacement = SequencePlacement.SYNC
@@ -222,8 +234,11 @@ class LibraConfig:
     def _validate_standalone(self) -> None:
         for key in ("pool_size", "head_split", "block_size", "num_chunks"):
             value = getattr(self, key)
+            if key == "num_chunks" and value == AUTO_CHUNKS:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self._name(key)} must be a positive integer, got {value!r}")
+                also = f" or {AUTO_CHUNKS}" if key == "num_chunks" else ""
+                raise ValueError(f"{self._name(key)} must be a positive integer{also}, got {value!r}")
         for key in ("tau", "activation_budget_gb"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value >= 0):
@@ -240,11 +255,17 @@ class LibraConfig:
         micro_batch_size: int = 1,
         global_batch_size: Optional[int] = None,
     ) -> "LibraConfig":
-        """Check the knobs against a model and parallel layout; returns self. Raises ValueError."""
+        """Check the knobs against a model and parallel layout (heads of one TP rank); returns self, or with
+        ``num_chunks: auto`` a copy whose M is resolved (``chunks_for``). Raises ValueError."""
         hq = num_attention_heads
         hkv = num_query_groups or hq
         if hq % hkv:
             raise ValueError(f"num_query_groups {hkv} must divide num_attention_heads {hq}")
+        if self.num_chunks == AUTO_CHUNKS:
+            return self._with_chunks(self.chunks_for(hq, hkv)).validate(
+                num_attention_heads=hq, num_query_groups=hkv, data_parallel_size=data_parallel_size,
+                context_parallel_size=context_parallel_size, seq_length=seq_length,
+                micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
         if data_parallel_size % self.pool_size:
             raise ValueError(
                 f"{self._name('pool_size')} {self.pool_size} must divide the data-parallel size "
@@ -271,6 +292,19 @@ class LibraConfig:
         if seq_length is not None:
             self._validate_layout(seq_length, context_parallel_size)
         return self
+
+    def chunks_for(self, num_attention_heads: int, num_query_groups: Optional[int] = None) -> int:
+        """M for these heads (one TP rank's): the knob itself, or for ``auto`` the K/V heads of one head shard,
+        ``num_query_groups // head_split``, at least 1 (a shard inside one K/V head: one chunk). It divides the
+        query heads of a shard whenever H divides the query heads."""
+        if self.num_chunks != AUTO_CHUNKS:
+            return self.num_chunks
+        return max(1, (num_query_groups or num_attention_heads) // self.head_split)
+
+    def _with_chunks(self, num_chunks: int) -> "LibraConfig":
+        """This config with M resolved; M keeps the label of where ``auto`` came from."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return type(self)._build({**values, "num_chunks": num_chunks}, self._labels())
 
     def _validate_gqa_pieces(self, hq: int, hkv: int) -> None:
         piece = hq // (self.head_split * self.num_chunks)  # query heads per chunk piece

@@ -78,3 +78,40 @@ def test_model_validation_names_flag_and_arithmetic(cfg_kw, model_kw, pattern):
 def test_valid_layout_passes_and_returns_self():
     cfg = LibraConfig(pool_size=4, head_split=2, num_chunks=4)
     assert _validate(cfg) is cfg
+
+
+@pytest.mark.parametrize("hq, hkv, H, want", [
+    (32, 4, 2, 2),    # Qwen3-30B-A3B, TP=1: two K/V heads per head shard
+    (32, 8, 2, 4),    # Qwen3-8B, TP=1
+    (16, 4, 2, 2),    # Qwen3-8B, TP=2
+    (8, 2, 2, 1),     # Qwen3-8B, TP=4: one K/V head per shard
+    (16, 1, 2, 1),    # Qwen3-235B-A22B, TP=4: a shard inside one K/V head
+    (32, 32, 4, 8),   # no GQA: every query head its own K/V head
+])
+def test_auto_chunks_are_the_kv_heads_of_a_head_shard(hq, hkv, H, want):
+    """num_chunks: auto -> M = K/V heads per head shard (at least 1); validate returns the resolved config, which
+    passes the same rules an explicit M must pass, and leaves every other knob as it was."""
+    cfg = LibraConfig(head_split=H, num_chunks="auto", block_size=1024, tau=0.01)
+    assert cfg.chunks_for(hq, hkv) == want
+    resolved = _validate(cfg, num_attention_heads=hq, num_query_groups=hkv)
+    assert resolved.num_chunks == want and resolved is not cfg
+    assert resolved.replace(num_chunks="auto") == cfg
+    assert (hq // H) % want == 0
+    explicit = _validate(LibraConfig(head_split=H, num_chunks=want, block_size=1024, tau=0.01),
+                         num_attention_heads=hq, num_query_groups=hkv)
+    assert explicit == resolved
+    assert LibraConfig(num_chunks=3).chunks_for(hq, hkv) == 3  # an explicit M is taken as it is
+
+
+def test_auto_chunks_yaml_and_bad_values(tmp_path):
+    path = tmp_path / "libra.yaml"
+    path.write_text("libra:\n  head_split: 2\n  num_chunks: auto\n")
+    cfg = LibraConfig.from_yaml(str(path))
+    cfg.to_yaml(str(tmp_path / "out.yaml"))
+    assert cfg.num_chunks == "auto" and LibraConfig.from_yaml(str(tmp_path / "out.yaml")).num_chunks == "auto"
+    assert _validate(cfg, num_attention_heads=32, num_query_groups=4).num_chunks == 2
+    with pytest.raises(ValueError, match=r"num_chunks \(.*libra.yaml:3\) must be a positive integer or auto, got 'Auto'"):
+        path.write_text("libra:\n  head_split: 2\n  num_chunks: Auto\n")
+        LibraConfig.from_yaml(str(path))
+    with pytest.raises(ValueError, match=r"--libra-head-split \(head_split\) 3 must divide num_attention_heads 32"):
+        _validate(LibraConfig(head_split=3, num_chunks="auto"), num_attention_heads=32, num_query_groups=4)

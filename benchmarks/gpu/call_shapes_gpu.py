@@ -87,7 +87,7 @@ def section_pool_replay(ctx) -> dict:
 
     sh, root = ctx.shape, os.path.dirname(os.path.dirname(HERE))
     shipped = LibraConfig.from_yaml(os.path.join(root, "configs", "libra", "256k.yaml"))
-    H, M = (shipped.head_split, shipped.num_chunks) if not ctx.dry else (2, 1)
+    H, M = (shipped.head_split, shipped.chunks_for(32, 4)) if not ctx.dry else (2, 1)  # Qwen3-30B-A3B heads
     config = LibraConfig(pool_size=sh["pool_p"], head_split=H, block_size=shipped.block_size if not ctx.dry else 16,
                          num_chunks=M, tau=shipped.tau, tile_placement=TilePlacement.ALG2)
     heads = HeadLayout(sh["hq"], sh["hkv"], sh["head_dim"], H, M, elem_bytes=2)

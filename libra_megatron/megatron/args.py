@@ -31,6 +31,7 @@ from ..config import (
     TilingPolicy,
     KvFetch,
     KvRelay,
+    chunks_value,
     flag_name,
 )
 from ..plan.model import saved_layers
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE_NAME = "libra_config.yaml"
 
 _FLAG_TYPES: Dict[str, Any] = {  # config key -> argparse type or enum (choices)
-    "pool_size": int, "head_split": int, "block_size": int, "num_chunks": int, "tau": float,
+    "pool_size": int, "head_split": int, "block_size": int, "num_chunks": chunks_value, "tau": float,
     "sequence_placement": SequencePlacement, "tile_placement": TilePlacement, "packing": PackingMode,
     "kernel_backend": KernelBackendName, "token_layout": TokenLayoutKind,
     "save_mode": SaveModeName, "activation_budget_gb": float,
@@ -53,7 +54,7 @@ _HELP = {
     "pool_size": "P: DP replicas per sequence pool (P | DP); a pool has P*CP workers.",
     "head_split": "H: query-head shards per SH-Tile (H | num attention heads).",
     "block_size": "B: tokens per SH-Tile sequence block.",
-    "num_chunks": "M: TAP Pipeliner head chunks per tile (M | heads/H).",
+    "num_chunks": "M: TAP Pipeliner head chunks per tile (M | heads/H), or auto: the K/V heads of a head shard.",
     "tau": "Load slack of Algorithm 2: target (1+tau) * mean worker load.",
     "sequence_placement": "VRSP placement of packed sequences into pools.",
     "tile_placement": "SH-Tile placement inside a pool.",

@@ -28,11 +28,11 @@ import importlib.util
 import json
 import os
 import sys
-from typing import List, Optional, Sequence, Type, Union
+from typing import Callable, List, Optional, Sequence, Type, Union
 
 from ..cli import ArgumentParser, DefaultsHelpFormatter, add_debug_argument, run_cli
 from ..config import (KvFetch, KvRelay, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement,
-                      TilingPolicy, TokenLayoutKind)
+                      TilingPolicy, TokenLayoutKind, chunks_value)
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
@@ -55,9 +55,10 @@ __all__ = ["build_parser", "parse_args", "spec_from_args", "check_outputs", "run
 TOOL = "libra-sim"
 
 
-def _grid_option(group, flag: str, kind: type, default: Sequence, help: str) -> None:
+def _grid_option(group, flag: str, kind: Callable, default: Sequence, help: str, metavar: Optional[str] = None) -> None:
     """A swept knob: one or more values, every candidate of the grid takes one."""
-    group.add_argument(flag, type=kind, nargs="+", default=list(default), metavar=kind.__name__.upper(), help=help)
+    group.add_argument(flag, type=kind, nargs="+", default=list(default), metavar=metavar or kind.__name__.upper(),
+                       help=help)
 
 
 def _choice_option(group, flag: str, enum_cls: Type[enum.Enum], default: enum.Enum, help: str,
@@ -110,7 +111,8 @@ def _add_libra_args(parser: argparse.ArgumentParser) -> None:
     _grid_option(g, "--pool-size", int, [8], "P values (each divides --dp)")
     _grid_option(g, "--head-split", int, [1], "H values")
     _grid_option(g, "--block-size", int, [4096], "B values (tokens)")
-    _grid_option(g, "--num-chunks", int, [4], "M values, Pipeliner head chunks")
+    _grid_option(g, "--num-chunks", chunks_value, [4], "M values, Pipeliner head chunks, or auto (the K/V heads of "
+                 "a head shard)", metavar="M")
     _grid_option(g, "--tau", float, [0.03], "Algorithm 2 load slack values (finite, >= 0)")
     _choice_option(g, "--tiling", TilingPolicy, TilingPolicy.ADAPTIVE,
                    "SH-Tile blocks: uniform (the paper) or adaptive (heavy blocks halved); several = a grid axis", grid=True)

@@ -92,7 +92,8 @@ def check_yaml_knobs(config: Optional[LibraConfig], args: argparse.Namespace, nu
         config.validate(num_attention_heads=num_q_heads, num_query_groups=num_kv_heads,
                         data_parallel_size=args.dp if "pool_size" in kept else config.pool_size)
     elif "pool_size" in kept and args.dp % config.pool_size:  # only P: heads that every (H, M) divides
-        config.validate(num_attention_heads=config.head_split * config.num_chunks, data_parallel_size=args.dp)
+        config.validate(num_attention_heads=config.head_split * config.chunks_for(config.head_split),
+                        data_parallel_size=args.dp)
 
 
 def relay_on(kv_relay: str) -> bool:

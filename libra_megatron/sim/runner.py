@@ -51,7 +51,7 @@ from .hybrid_cp import HybridCpBaseline, HybridCpDims
 from .pools import PoolEvaluator, PoolKnobs, PoolResult, SaveRule
 from .result import Candidate, SimResult, WorstStep, _merge_window, _Steps, _worst_seconds
 from .spec import (DTYPE_BYTES, MAX_TILES_PER_POOL, MIN_SEQ_LEN, MODEL_PRESETS, ModelDims, SimSpec, _num_windows,
-                   check_jobs, check_run_cost)
+                   check_jobs, check_run_cost, chunks_for_split)
 from .sync import score_orders
 
 __all__ = ["ModelDims", "SimSpec", "Candidate", "SimResult", "run_simulation", "check_run_cost", "check_jobs",
@@ -309,7 +309,8 @@ def _record_libra(cand: Candidate, run: _OrderRun, win: _Window, spec: SimSpec) 
 
 
 def _make_candidates(spec: SimSpec) -> List[Candidate]:
-    return [Candidate(p, h, b, t, m, tiling, fetch) for p in spec.pool_sizes for h in spec.head_splits
+    return [Candidate(p, h, b, t, chunks_for_split(spec, h, m), tiling, fetch) for p in spec.pool_sizes
+            for h in spec.head_splits
             for b in spec.block_sizes for t in spec.taus for m in spec.chunk_counts for tiling in spec.tilings
             for fetch in spec.kv_fetches]
 

@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..config import (KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy,
+from ..config import (AUTO_CHUNKS, KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy,
                       TokenLayoutKind)
 from ..plan.model import StepTimeModel, saved_layers
 from ..plan.packing import num_packed_upper_bound, packing_memory_bytes
@@ -133,6 +133,13 @@ def _positive(value, flag: str) -> None:
 _CONFIG_FLAGS = {"head_split": "--head-split", "num_chunks": "--num-chunks"}  # LibraConfig keys -> our flags
 
 
+def chunks_for_split(spec: SimSpec, head_split: int, num_chunks) -> int:
+    """The M a candidate with H = ``head_split`` prices: ``num_chunks``, or for ``auto`` the K/V heads of one
+    head shard of ``spec.dims`` (``LibraConfig.chunks_for``, as the runtime resolves it)."""
+    config = LibraConfig(head_split=head_split, num_chunks=num_chunks)
+    return config.chunks_for(spec.dims.num_q_heads, spec.dims.num_kv_heads)
+
+
 def _validate_heads(spec: SimSpec) -> None:
     """hkv | hq, then every (H, M) pair against ``LibraConfig.validate`` (the runtime's rule)."""
     hq, hkv = spec.dims.num_q_heads, spec.dims.num_kv_heads
@@ -141,11 +148,13 @@ def _validate_heads(spec: SimSpec) -> None:
     for h in spec.head_splits:
         _positive(h, "--head-split")
     for m in spec.chunk_counts:
-        _positive(m, "--num-chunks")
+        if m != AUTO_CHUNKS:
+            _positive(m, "--num-chunks")
     for h in spec.head_splits:
         for m in spec.chunk_counts:
             try:
-                LibraConfig.from_flags(dict(head_split=int(h), num_chunks=int(m)), _CONFIG_FLAGS).validate(
+                LibraConfig.from_flags(dict(head_split=int(h), num_chunks=m if m == AUTO_CHUNKS else int(m)),
+                                       _CONFIG_FLAGS).validate(
                     num_attention_heads=hq, num_query_groups=hkv)
             except ValueError as err:
                 raise ValueError(f"--head-split {h} x --num-chunks {m} is invalid for --num-heads {hq}, "

@@ -181,16 +181,20 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
                                            "--context-parallel-size"))
     dp = gpus // (tp * pp * cp)
     assert dp * tp * pp * cp == gpus and dp % cfg.pool_size == 0
-    cfg.validate(num_attention_heads=_flag(argv, "--num-attention-heads") // tp,
-                 num_query_groups=_flag(argv, "--num-query-groups") // tp, data_parallel_size=dp,
-                 context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
-                 micro_batch_size=_flag(argv, "--micro-batch-size"),
-                 global_batch_size=_flag(argv, "--global-batch-size"))
+    resolved = cfg.validate(num_attention_heads=_flag(argv, "--num-attention-heads") // tp,
+                            num_query_groups=_flag(argv, "--num-query-groups") // tp, data_parallel_size=dp,
+                            context_parallel_size=cp, seq_length=_flag(argv, "--seq-length"),
+                            micro_batch_size=_flag(argv, "--micro-batch-size"),
+                            global_batch_size=_flag(argv, "--global-batch-size"))
     # the simulator's choices (docs/launcher.md "Knob choice", docs/exchange.md, docs/runtime.md): P=8 as in the
-    # paper, adaptive tiles, prefix KV fetch, dense placement, K/V relay; M=2, H=2, B=2048, tau=0.01 at 256K (every
-    # chunk owns its K/V head); M=4, H=2, B=4096, tau=0.01 at 1M
-    knobs = (2, 2, 2048, 0.01) if config.stem.endswith("256k") else (4, 2, 4096, 0.01)
+    # paper, adaptive tiles, prefix KV fetch, dense placement, K/V relay; H=2, B=2048, tau=0.01 at 256K; H=2,
+    # B=4096, tau=0.01 at 1M; M=auto: every chunk owns its K/V head (K/V heads per TP rank / H, at least 1)
+    knobs = ("auto", 2, 2048, 0.01) if config.stem.endswith("256k") else ("auto", 2, 4096, 0.01)
     assert (cfg.pool_size, cfg.num_chunks, cfg.head_split, cfg.block_size, cfg.tau) == (8,) + knobs
+    # by hand: 8B 8 K/V heads at TP=2 (256K) / TP=4 (1M); 30B 4 at TP=1; 235B 4 at TP=4 (a shard inside one)
+    want_m = {"qwen3-8b-256k": 2, "qwen3-8b-1m": 1, "qwen3-30b-a3b-256k": 2, "qwen3-30b-a3b-1m": 2,
+              "qwen3-235b-a22b-256k": 1, "qwen3-235b-a22b-1m": 1}[config.stem]
+    assert resolved.num_chunks == want_m and resolved == cfg.replace(num_chunks=want_m)
     assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
     assert cfg.kv_relay.value == "auto"
 

@@ -124,3 +124,18 @@ def test_saved_yaml_reloads_to_the_effective_config(tmp_path):
     saved = tmp_path / "run" / CONFIG_FILE_NAME
     assert saved.read_text() == text and "flag overrides: ['pool_size']" in text
     assert LibraConfig.from_yaml(str(saved)) == config
+
+
+@pytest.mark.parametrize("tp, head_split, want", [(1, 1, 2), (1, 2, 1), (2, 1, 1)])
+def test_auto_chunks_resolve_from_the_heads_of_one_tensor_parallel_rank(tp, head_split, want):
+    """--libra-num-chunks auto: M = the K/V heads of a head shard on one TP rank (8 query heads, 2 groups here)."""
+    args = _args(["--libra-num-chunks", "auto", "--libra-head-split", str(head_split)],
+                 tensor_model_parallel_size=tp)
+    config = libra_config_from_args(args)
+    assert config.num_chunks == want and config.head_split == head_split
+
+
+def test_bad_chunks_value_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        _args(["--libra-num-chunks", "many"])
+    assert "--libra-num-chunks" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 
 from libra_megatron.config import KvFetch, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy
 from libra_megatron.sim.__main__ import parse_args, run, spec_from_args
+from libra_megatron.sim.spec import chunks_for_split
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SYNTH = np.concatenate([np.arange(1, 400) % 23 + 1, [150, 90, 64, 200, 33, 120]])
@@ -31,7 +32,9 @@ def _spec(argv):
 def test_the_shipped_yaml_becomes_the_defaults():
     spec = _spec(LAYOUT + ["--libra-config", str(REPO / "configs/libra/256k.yaml")])
     assert (spec.pool_sizes, spec.head_splits, spec.block_sizes, spec.chunk_counts, spec.taus) == \
-        ((8,), (2,), (2048,), (2,), (0.01,))
+        ((8,), (2,), (2048,), ("auto",), (0.01,))
+    # auto: each candidate's M is the K/V heads of a head shard (Qwen3-30B-A3B: 4 / H)
+    assert [chunks_for_split(spec, h, "auto") for h in (1, 2, 4)] == [4, 2, 1]
     assert spec.tile_placement is TilePlacement.DENSE and spec.sequence_placement is SequencePlacement.SYNC
     assert spec.tilings == (TilingPolicy.ADAPTIVE,) and spec.kv_fetches == (KvFetch.PREFIX,)
     assert spec.cost.kv_relay is True  # kv_relay: auto
