@@ -92,7 +92,9 @@ def _add_sync_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("synchronisation model (sim/sync.py: who waits for whom in a step)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages; each lane of P replicas runs 1F1B")
     g.add_argument("--vpp", type=int, default=1, help="model chunks per stage (> 1: Megatron's interleaved schedule)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only places EP groups by rank order)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: each TP rank plans and runs --num-heads / TP query and --num-kv-heads "
+                        "/ TP K/V heads (Megatron's split, both must divide); also places EP groups by rank order")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size (EP groups across lanes tie them)")
     g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
     g.add_argument("--backward-ratio", default=None, help=argparse.SUPPRESS)  # removed: a one-line error
@@ -139,8 +141,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("attention shape (a --model preset, or all of --num-heads/--num-kv-heads/--head-dim)")
     g.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
                    help="attention shape preset (explicit --num-heads etc. override its values)")
-    g.add_argument("--num-heads", type=int, default=None, help="query heads")
-    g.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads (divides --num-heads)")
+    g.add_argument("--num-heads", type=int, default=None, help="query heads of the model (--tp divides them)")
+    g.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads of the model (divides --num-heads; --tp divides them)")
     g.add_argument("--head-dim", type=int, default=None, help="head dimension")
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (bytes moved)")
     g.add_argument("--num-layers", type=int, default=None,
@@ -232,10 +234,20 @@ def _model_dims(args: argparse.Namespace) -> ModelDims:
         raise ValueError("give --model, or all of --num-heads, --num-kv-heads and --head-dim")
     else:
         hq, hkv, d = explicit
-    for value, flag in ((hq, "--num-heads"), (hkv, "--num-kv-heads"), (d, "--head-dim")):
+    for value, flag in ((hq, "--num-heads"), (hkv, "--num-kv-heads"), (d, "--head-dim"), (args.tp, "--tp")):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    return ModelDims(hq, hkv, d, DTYPE_BYTES[args.dtype])
+    return ModelDims(*_heads_per_tensor_parallel_rank(hq, hkv, args.tp), d, DTYPE_BYTES[args.dtype])
+
+
+def _heads_per_tensor_parallel_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple:
+    """(query heads, K/V heads) of one TP rank, as Megatron-LM splits them (``megatron.args`` reads the same):
+    what the Libra operator of a rank plans over and runs."""
+    for count, flag in ((num_heads, "--num-heads"), (num_kv_heads, "--num-kv-heads")):
+        if count % tp:
+            raise ValueError(f"{flag} {count} must be divisible by --tp {tp} (each tensor-parallel rank runs "
+                             f"{flag} / --tp heads; {count} % {tp} = {count % tp})")
+    return num_heads // tp, num_kv_heads // tp
 
 
 def _calibration(value: Optional[str]) -> Optional[Union[CalibrationTable, KernelFit]]:

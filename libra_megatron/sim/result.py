@@ -222,6 +222,7 @@ class SimResult:
             "seq_len": s.seq_len, "gbs": s.global_batch_size, "dp": s.data_parallel_size,
             "cp": s.context_parallel_size, "num_heads": s.dims.num_q_heads, "num_kv_heads": s.dims.num_kv_heads,
             "head_dim": s.dims.head_dim, "elem_bytes": s.dims.elem_bytes,
+            "heads": "num_heads and num_kv_heads of one tensor-parallel rank (--tp divides the model's)",
             "num_chunks": _scalar_or_list(s.chunk_counts), "tau": _scalar_or_list(s.taus),
             "tiling": _scalar_or_list(tuple(t.value for t in s.tilings)),
             "kv_fetch": _scalar_or_list(tuple(f.value for f in s.kv_fetches)),

@@ -96,6 +96,8 @@ ROWS = [
     ("gbs-not-dividing", ["--gbs", "6"], r"--gbs 6 must be divisible by --dp 4"),
     ("chunks-bad", ["--num-chunks", "3"], r"--num-chunks 3 must divide num_attention_heads/--head-split = 4/1 = 4"),
     ("heads-zero", ["--num-heads", "0"], r"--num-heads must be >= 1, got 0"),
+    ("tp-not-dividing-heads", ["--tp", "4"], r"--num-kv-heads 2 must be divisible by --tp 4 \(each tensor-parallel rank runs --num-kv-heads / --tp heads; 2 % 4 = 2\)"),
+    ("tp-zero", ["--tp", "0"], r"--tp must be >= 1, got 0"),
     ("max-windows-zero", ["--max-windows", "0"], r"--max-windows must be a positive integer, got 0"),
     ("too-many-tiles", ["--seq-len", "1048576", "--gbs", "4", "--block-size", "1"], r"SH-Tiles per pool, more than"),
     ("window-too-big", ["--gbs", "4096"], r"packs into \d+ sequences of --seq-len 64, fewer than one --gbs 4096 window"),

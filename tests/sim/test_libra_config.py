@@ -131,3 +131,20 @@ def test_auto_budgets_the_layers_alive_under_recompute(trace_path, tmp_path):
         modes[n] = cand["save_mode_pools"]
     assert modes["0"]["arranged"] == 0 and modes["0"]["refetch"] > 0
     assert modes["1"]["refetch"] == 0 and modes["1"]["arranged"] > 0
+
+
+def test_tp_prices_the_heads_of_one_tensor_parallel_rank(trace_path, tmp_path):
+    """``--tp 2`` over 8 / 4 heads prices exactly the run given 4 / 2 heads (what each TP rank runs), and says so."""
+    reports = {}
+    for name, extra in (("tp2", ["--num-heads", "8", "--num-kv-heads", "4", "--tp", "2"]),
+                        ("per_rank", ["--num-heads", "4", "--num-kv-heads", "2"])):
+        out = tmp_path / f"{name}.json"
+        argv = [a for a in TINY]
+        argv[argv.index("--num-heads") + 1], argv[argv.index("--num-kv-heads") + 1] = extra[1], extra[3]
+        assert run(["--trace", trace_path, "--json", str(out), "--pool-size", "2"] + argv + extra[4:]) == 0
+        reports[name] = json.loads(out.read_text())
+    tp2, per_rank = reports["tp2"], reports["per_rank"]
+    assert (tp2["assumptions"]["num_heads"], tp2["assumptions"]["num_kv_heads"]) == (4, 2)
+    assert tp2["assumptions"]["sync"]["tp"] == 2 and per_rank["assumptions"]["sync"]["tp"] == 1
+    assert "tensor-parallel rank" in tp2["assumptions"]["heads"]
+    assert tp2["candidates"] == per_rank["candidates"]
