@@ -101,6 +101,13 @@ def _split_text(report: Dict) -> str:
            f"{cand['forward_estimated_step_seconds'] * 1e3:.2f} ms"
 
 
+
+def _heads(assumptions: dict) -> str:
+    """``q/kv x head_dim`` of one tensor-parallel rank (``--tp`` divides the model's), with TP when > 1."""
+    tp = assumptions.get("sync", {}).get("tp", 1)
+    text = f"{assumptions['num_heads']}/{assumptions['num_kv_heads']} x {assumptions['head_dim']}"
+    return text + (f" (TP={tp})" if tp > 1 else "")
+
 def format_table(report: Dict) -> str:
     """The stdout report of one run (``SimResult.to_json()`` as input)."""
     columns = _columns(report["candidates"])
@@ -116,7 +123,7 @@ def format_table(report: Dict) -> str:
     rows += [
         "",
         f"windows {report['num_windows']}  sequences {report['num_sequences']}  documents {report['num_documents']}"
-        f"  runtime {report['runtime_seconds']:.1f}s",
+        f"  runtime {report['runtime_seconds']:.1f}s  heads per TP rank {_heads(report['assumptions'])}",
         f"Ulysses: mean step {uly['mean_step_seconds'] * 1e3:.2f} ms, max {uly['max_step_seconds'] * 1e3:.2f} ms;"
         f"  WLB-LLM (no deferral): mean {wlb['mean_step_seconds'] * 1e3:.2f} ms (x{wlb['speedup_vs_ulysses']:.2f}),"
         f" max {wlb['max_step_seconds'] * 1e3:.2f} ms (x{wlb['max_speedup_vs_ulysses']:.2f})",

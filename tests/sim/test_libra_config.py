@@ -148,3 +148,10 @@ def test_tp_prices_the_heads_of_one_tensor_parallel_rank(trace_path, tmp_path):
     assert tp2["assumptions"]["sync"]["tp"] == 2 and per_rank["assumptions"]["sync"]["tp"] == 1
     assert "tensor-parallel rank" in tp2["assumptions"]["heads"]
     assert tp2["candidates"] == per_rank["candidates"]
+
+
+def test_the_text_report_names_the_heads_of_one_tensor_parallel_rank(trace_path, capsys):
+    argv = [a for a in TINY]
+    argv[argv.index("--num-heads") + 1], argv[argv.index("--num-kv-heads") + 1] = "8", "4"
+    assert run(["--trace", trace_path, "--pool-size", "2", "--tp", "2"] + argv) == 0
+    assert "heads per TP rank 4/2 x 8 (TP=2)" in capsys.readouterr().out
