@@ -18,7 +18,9 @@ release has its own cache folder, so both can be unpacked side by side.
 
 Nothing of Megatron-LM is committed: the cache folder is in ``.gitignore``. Unpacking and cloning happen
 under a file lock into a temporary folder that is renamed into place, so concurrent callers never see a
-half-written tree. Failure raises ``MegatronLMNotFound`` (a ``ValueError``) saying what was tried.
+half-written tree. A tree placed in the cache has its ``megatron`` package byte-compiled once
+(``compileall``, this interpreter): every rank of every run then imports it from ``__pycache__`` instead of
+compiling it again, which it would do at every start under ``PYTHONDONTWRITEBYTECODE``. Failure raises ``MegatronLMNotFound`` (a ``ValueError``) saying what was tried.
 
 Megatron-LM's Python dependencies are the ``megatron-lm`` extra of ``setup.py`` (pinned; installed by
 ``scripts/setup_env.sh``). ``missing_package_error`` turns the ``ModuleNotFoundError`` of an import of
@@ -228,12 +230,21 @@ def _install(target: Path, tag: str, fill) -> None:
         problem = check_megatron_lm_tree(root)
         if problem:
             raise MegatronLMNotFound(f"the Megatron-LM tree obtained is incomplete: {problem}")
+        _byte_compile(root)
         (root / _READY_MARKER).write_text(tag + "\n")
         if target.exists():
             shutil.rmtree(target)
         root.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _byte_compile(root: Path) -> None:
+    """Write ``__pycache__`` for the tree's ``megatron`` package (best effort: a file this interpreter cannot
+    compile is left to fail, or not, where it is imported, exactly as without this step)."""
+    import compileall
+
+    compileall.compile_dir(str(root / "megatron"), quiet=2)
 
 
 def _unpack(archive: Path, tmp: Path) -> Path:

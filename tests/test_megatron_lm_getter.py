@@ -76,6 +76,21 @@ def test_the_archive_beside_the_checkout_is_unpacked_once_into_the_ignored_cache
     assert [p.name for p in cache_dir(clone).iterdir() if p.name.startswith(".partial-")] == []
 
 
+def test_the_unpacked_megatron_package_is_byte_compiled_and_a_given_tree_is_not(clone, tmp_path):
+    """Every module of the cached tree's ``megatron`` package has the bytecode file this interpreter's importer
+    looks for (so ranks started under PYTHONDONTWRITEBYTECODE do not compile it at each start); a tree given by
+    $MEGATRON_LM_PATH is used as it is, nothing written into it."""
+    import importlib.util
+
+    _archive(clone, tmp_path)
+    root = get_megatron_lm({}, repo_root=clone, allow_clone=False)
+    sources = sorted((root / "megatron").rglob("*.py"))
+    assert len(sources) == 3 and all(os.path.isfile(importlib.util.cache_from_source(str(p))) for p in sources)
+    mine = _tree(tmp_path / "mine")
+    get_megatron_lm({"MEGATRON_LM_PATH": str(mine)}, repo_root=clone, allow_clone=False)
+    assert list(mine.rglob("__pycache__")) == []
+
+
 def test_nothing_found_names_every_source_tried(clone):
     with pytest.raises(MegatronLMNotFound) as info:
         get_megatron_lm({}, repo_root=clone, allow_clone=False)

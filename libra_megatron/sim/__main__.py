@@ -142,7 +142,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
                    help="attention shape preset (explicit --num-heads etc. override its values)")
     g.add_argument("--num-heads", type=int, default=None, help="query heads of the model (--tp divides them)")
-    g.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads of the model (divides --num-heads; --tp divides them)")
+    g.add_argument("--num-kv-heads", type=int, default=None,
+                   help="key/value heads of the model (divides --num-heads; --tp divides them)")
     g.add_argument("--head-dim", type=int, default=None, help="head dimension")
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (bytes moved)")
     g.add_argument("--num-layers", type=int, default=None,

@@ -101,12 +101,12 @@ def _split_text(report: Dict) -> str:
            f"{cand['forward_estimated_step_seconds'] * 1e3:.2f} ms"
 
 
-
 def _heads(assumptions: dict) -> str:
     """``q/kv x head_dim`` of one tensor-parallel rank (``--tp`` divides the model's), with TP when > 1."""
     tp = assumptions.get("sync", {}).get("tp", 1)
     text = f"{assumptions['num_heads']}/{assumptions['num_kv_heads']} x {assumptions['head_dim']}"
     return text + (f" (TP={tp})" if tp > 1 else "")
+
 
 def format_table(report: Dict) -> str:
     """The stdout report of one run (``SimResult.to_json()`` as input)."""
