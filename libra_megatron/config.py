@@ -33,6 +33,7 @@ __all__ = [
     "flag_name",
     "AUTO_CHUNKS",
     "chunks_value",
+    "heads_per_tensor_parallel_rank",
 ]
 
 
@@ -159,6 +160,16 @@ AUTO_CHUNKS = "auto"  # num_chunks: auto (LibraConfig.chunks_for)
 def chunks_value(text: str) -> Union[int, str]:
     """A command-line M: ``auto`` or an integer (argparse ``type``; its ValueError names the value)."""
     return AUTO_CHUNKS if text == AUTO_CHUNKS else int(text)
+
+
+def heads_per_tensor_parallel_rank(count: int, flag: str, tp: int, tp_flag: str) -> int:
+    """``count`` heads (query heads or K/V groups) of the model split over ``tp`` tensor-parallel ranks, as
+    Megatron-LM splits them: what one rank's Libra operator plans over and runs. ValueError names ``flag`` and
+    ``tp_flag`` when ``tp`` does not divide ``count``."""
+    if count % tp:
+        raise ValueError(f"{flag} {count} must be divisible by {tp_flag} {tp} (each tensor-parallel rank runs "
+                         f"{flag} / {tp_flag} heads; {count} % {tp} = {count % tp})")
+    return count // tp
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from ..config import (
     KvRelay,
     chunks_value,
     flag_name,
+    heads_per_tensor_parallel_rank,
 )
 from ..plan.model import saved_layers
 
@@ -176,10 +177,11 @@ def _heads_per_tensor_parallel_rank(args: Any) -> tuple:
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     hq = int(args.num_attention_heads)
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
-    for name, count in (("--num-attention-heads", hq), ("--num-query-groups", groups)):
-        if count and int(count) % tp:
-            raise ValueError(f"{name} {count} must be divisible by --tensor-model-parallel-size {tp}")
-    return hq // tp, (int(groups) // tp if groups else None), tp
+
+    def split(count, name: str) -> int:
+        return heads_per_tensor_parallel_rank(int(count), name, tp, "--tensor-model-parallel-size")
+
+    return split(hq, "--num-attention-heads"), (split(groups, "--num-query-groups") if groups else None), tp
 
 
 def _check_packing(config: LibraConfig) -> None:

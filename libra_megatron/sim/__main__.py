@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Sequence, Type, Union
 
 from ..cli import ArgumentParser, DefaultsHelpFormatter, add_debug_argument, run_cli
 from ..config import (KvFetch, KvRelay, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement,
-                      TilingPolicy, TokenLayoutKind, chunks_value)
+                      TilingPolicy, TokenLayoutKind, chunks_value, heads_per_tensor_parallel_rank)
 from ..paths import check_output_dir, check_output_file
 from ..plan.packing import BYTES_PER_DOCUMENT, BYTES_PER_SEGMENT
 from ..plan.traces import load_traces
@@ -238,17 +238,9 @@ def _model_dims(args: argparse.Namespace) -> ModelDims:
     for value, flag in ((hq, "--num-heads"), (hkv, "--num-kv-heads"), (d, "--head-dim"), (args.tp, "--tp")):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    return ModelDims(*_heads_per_tensor_parallel_rank(hq, hkv, args.tp), d, DTYPE_BYTES[args.dtype])
-
-
-def _heads_per_tensor_parallel_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple:
-    """(query heads, K/V heads) of one TP rank, as Megatron-LM splits them (``megatron.args`` reads the same):
-    what the Libra operator of a rank plans over and runs."""
-    for count, flag in ((num_heads, "--num-heads"), (num_kv_heads, "--num-kv-heads")):
-        if count % tp:
-            raise ValueError(f"{flag} {count} must be divisible by --tp {tp} (each tensor-parallel rank runs "
-                             f"{flag} / --tp heads; {count} % {tp} = {count % tp})")
-    return num_heads // tp, num_kv_heads // tp
+    rank_hq = heads_per_tensor_parallel_rank(hq, "--num-heads", args.tp, "--tp")
+    rank_hkv = heads_per_tensor_parallel_rank(hkv, "--num-kv-heads", args.tp, "--tp")
+    return ModelDims(rank_hq, rank_hkv, d, DTYPE_BYTES[args.dtype])
 
 
 def _calibration(value: Optional[str]) -> Optional[Union[CalibrationTable, KernelFit]]:

@@ -9,8 +9,8 @@ from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..config import (AUTO_CHUNKS, KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement, TilingPolicy,
-                      TokenLayoutKind)
+from ..config import (AUTO_CHUNKS, KvFetch, LibraConfig, PackingMode, SaveModeName, SequencePlacement, TilePlacement,
+                      TilingPolicy, TokenLayoutKind)
 from ..plan.model import StepTimeModel, saved_layers
 from ..plan.packing import num_packed_upper_bound, packing_memory_bytes
 from ..plan.sequences import PoolProxy, SyncLayout

@@ -11,8 +11,8 @@ import yaml
 from libra_megatron.config import LibraConfig
 from libra_megatron.launch import expand_args_files, parse_launch_args, resolve_megatron_lm
 from libra_megatron.megatron_lm import MegatronLMNotFound, get_megatron_lm
-from libra_megatron.sim.__main__ import parse_args as sim_parse_args, spec_from_args
-from libra_megatron.sim.spec import chunks_for_split
+
+from .simulated_run import simulated_run
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_CONFIGS = sorted((REPO / "configs").glob("qwen3-*.args"))
@@ -198,14 +198,11 @@ def test_run_config_libra_knobs_validate_at_its_smallest_job(config):
               "qwen3-235b-a22b-256k": 1, "qwen3-235b-a22b-1m": 1}[config.stem]
     assert resolved.num_chunks == want_m and resolved == cfg.replace(num_chunks=want_m)
     # the simulator at the config's --model preset and --tp prices the same heads per TP rank and the same M
-    sim = spec_from_args(sim_parse_args([
-        "--trace", "unused.txt", "--model", config.stem.rsplit("-", 1)[0], "--tp", str(tp), "--libra-config",
-        str(REPO / _flag(argv, "--libra-config", str)), "--seq-len", str(_flag(argv, "--seq-length")), "--gbs",
-        str(_flag(argv, "--global-batch-size")), "--dp", str(dp), "--cp", str(cp), "--pp", str(pp)]))
-    assert (sim.dims.num_q_heads, sim.dims.num_kv_heads, sim.dims.head_dim, sim.num_layers) == (
+    assert simulated_run(config.stem, str(REPO / _flag(argv, "--libra-config", str)), tp=tp,
+                         seq_length=_flag(argv, "--seq-length"), global_batch_size=_flag(argv, "--global-batch-size"),
+                         dp=dp, cp=cp, pp=pp) == (
         _flag(argv, "--num-attention-heads") // tp, _flag(argv, "--num-query-groups") // tp,
-        _flag(argv, "--kv-channels"), _flag(argv, "--num-layers"))
-    assert chunks_for_split(sim, cfg.head_split, "auto") == want_m
+        _flag(argv, "--kv-channels"), _flag(argv, "--num-layers"), want_m)
     assert (cfg.tiling.value, cfg.kv_fetch.value, cfg.tile_placement.value) == ("adaptive", "prefix", "dense")
     assert cfg.kv_relay.value == "auto"
 

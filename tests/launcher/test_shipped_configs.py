@@ -108,17 +108,13 @@ def test_config_passes_megatron_and_libra_validation_at_its_smallest_job(config,
                  seq_length=args.seq_length, global_batch_size=args.global_batch_size)
     # the simulator prices what this run runs: the config's --model preset at its --tp gives the heads of one TP
     # rank, the resolved M and the layers Megatron-LM parsed (no drift between sim/spec.py and configs/models)
-    from libra_megatron.sim.__main__ import parse_args as sim_parse_args, spec_from_args
-    from libra_megatron.sim.spec import chunks_for_split
+    from .simulated_run import simulated_run
 
-    sim = spec_from_args(sim_parse_args([
-        "--trace", "unused.txt", "--model", config.stem.rsplit("-", 1)[0], "--tp", str(tp),
-        "--libra-config", str(REPO / args.libra_config), "--seq-len", str(args.seq_length),
-        "--gbs", str(args.global_batch_size), "--dp", str(args.data_parallel_size),
-        "--cp", str(args.context_parallel_size), "--pp", str(args.pipeline_model_parallel_size)]))
-    assert (sim.dims.num_q_heads, sim.dims.num_kv_heads, sim.dims.head_dim, sim.num_layers) == (
-        args.num_attention_heads // tp, args.num_query_groups // tp, args.kv_channels, args.num_layers)
-    assert chunks_for_split(sim, shipped.head_split, "auto") == cfg.num_chunks
+    assert simulated_run(config.stem, str(REPO / args.libra_config), tp=tp, seq_length=args.seq_length,
+                         global_batch_size=args.global_batch_size, dp=args.data_parallel_size,
+                         cp=args.context_parallel_size, pp=args.pipeline_model_parallel_size) == (
+        args.num_attention_heads // tp, args.num_query_groups // tp, args.kv_channels, args.num_layers,
+        cfg.num_chunks)
 
 
 @pytest.mark.parametrize("config", RUN_CONFIGS, ids=lambda p: p.stem)

@@ -80,6 +80,9 @@ def test_ablation_switches_force_placements_and_log(caplog):
      ([], {"seq_length": 4098}, "--seq-length 4098 must be divisible by 4 CP chunks"),
      ([], {"global_batch_size": 18}, "--global-batch-size 18 must be divisible by DP*mbs = 4*1"),
      (["--libra-pool-size", "0"], {}, "--libra-pool-size (pool_size) must be a positive integer"),
+     ([], {"tensor_model_parallel_size": 4}, "--num-query-groups 2 must be divisible by "
+      "--tensor-model-parallel-size 4 (each tensor-parallel rank runs --num-query-groups / "
+      "--tensor-model-parallel-size heads; 2 % 4 = 2)"),
      ([], {"data_parallel_size": None, "world_size": 12, "tensor_model_parallel_size": 2,
            "pipeline_model_parallel_size": 1, "context_parallel_size": 4},
       "world size 12 must be divisible by TP*PP*CP = 2*1*4 = 8")],

@@ -133,15 +133,19 @@ def test_auto_budgets_the_layers_alive_under_recompute(trace_path, tmp_path):
     assert modes["1"]["refetch"] == 0 and modes["1"]["arranged"] > 0
 
 
+def _tiny_with_heads(num_heads: int, num_kv_heads: int) -> list:
+    """TINY's flags with the model's heads replaced."""
+    argv = list(TINY)
+    argv[argv.index("--num-heads") + 1], argv[argv.index("--num-kv-heads") + 1] = str(num_heads), str(num_kv_heads)
+    return argv
+
+
 def test_tp_prices_the_heads_of_one_tensor_parallel_rank(trace_path, tmp_path):
     """``--tp 2`` over 8 / 4 heads prices exactly the run given 4 / 2 heads (what each TP rank runs), and says so."""
     reports = {}
-    for name, extra in (("tp2", ["--num-heads", "8", "--num-kv-heads", "4", "--tp", "2"]),
-                        ("per_rank", ["--num-heads", "4", "--num-kv-heads", "2"])):
+    for name, argv in (("tp2", _tiny_with_heads(8, 4) + ["--tp", "2"]), ("per_rank", _tiny_with_heads(4, 2))):
         out = tmp_path / f"{name}.json"
-        argv = [a for a in TINY]
-        argv[argv.index("--num-heads") + 1], argv[argv.index("--num-kv-heads") + 1] = extra[1], extra[3]
-        assert run(["--trace", trace_path, "--json", str(out), "--pool-size", "2"] + argv + extra[4:]) == 0
+        assert run(["--trace", trace_path, "--json", str(out), "--pool-size", "2"] + argv) == 0
         reports[name] = json.loads(out.read_text())
     tp2, per_rank = reports["tp2"], reports["per_rank"]
     assert (tp2["assumptions"]["num_heads"], tp2["assumptions"]["num_kv_heads"]) == (4, 2)
@@ -151,7 +155,5 @@ def test_tp_prices_the_heads_of_one_tensor_parallel_rank(trace_path, tmp_path):
 
 
 def test_the_text_report_names_the_heads_of_one_tensor_parallel_rank(trace_path, capsys):
-    argv = [a for a in TINY]
-    argv[argv.index("--num-heads") + 1], argv[argv.index("--num-kv-heads") + 1] = "8", "4"
-    assert run(["--trace", trace_path, "--pool-size", "2", "--tp", "2"] + argv) == 0
+    assert run(["--trace", trace_path, "--pool-size", "2", "--tp", "2"] + _tiny_with_heads(8, 4)) == 0
     assert "heads per TP rank 4/2 x 8 (TP=2)" in capsys.readouterr().out
