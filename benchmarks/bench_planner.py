@@ -13,7 +13,8 @@ on a GPU this is device work at the first use of the plan).
   256K: CP=8,  B=4096, H=1, hq=128 hkv=16 d=256      budget 20 ms (placement aim <= 1/3)
   1M:   CP=16, B=8192, H=1,2,4, hq=128 hkv=4 d=256   budget 50 ms
   1M:   CP=16, B=8192, H=4, Qwen3-8B hq=32 hkv=8 d=128  budget 50 ms
-  256K / 1M: CP=8 / 16, Qwen3-30B-A3B hq=32 hkv=4 d=128, B, H, M and tau of the shipped configs/libra/*.yaml
+  256K / 1M: CP=8 / 16, Qwen3-30B-A3B hq=32 hkv=4 d=128, B, H, M, tau and kv_relay of the shipped
+            configs/libra/*.yaml (the K/V relay priced where it pays, as plan.pool.pool_timing sets it)
             budget 20 / 50 ms
 VRSP: place_sequences at GBS=1024 (Alg. 1, refined, and sync at DP 32-256, PP 1-8)   budget 5 ms
 (`--vrsp-only` runs just these)
@@ -132,18 +133,19 @@ SHIPPED = {256 * 1024: "256k.yaml", 1024 * 1024: "1m.yaml"}  # B = H = None in C
 
 
 def shipped_knobs(seq_len: int, head_dims):
-    """(B, H, M, tau) of the shipped configs/libra YAML for ``seq_len`` (M for ``head_dims``' heads)."""
-    from libra_megatron.config import LibraConfig
+    """(B, H, M, tau, K/V relay on) of the shipped configs/libra YAML for ``seq_len`` (M for ``head_dims``' heads)."""
+    from libra_megatron.config import KvRelay, LibraConfig
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "libra", SHIPPED[seq_len])
     cfg = LibraConfig.from_yaml(path)
-    return cfg.block_size, cfg.head_split, cfg.chunks_for(*head_dims[:2]), cfg.tau
+    return cfg.block_size, cfg.head_split, cfg.chunks_for(*head_dims[:2]), cfg.tau, cfg.kv_relay is KvRelay.AUTO
 
 
-def _place_and_plan(tiles, head_dim, tau):
+def _place_and_plan(tiles, head_dim, tau, relay=False):
     """(placement, its ExchangePlan with every rank's Pipeliner lead, place ms, exchange ms) as ``plan_pool``
-    does it: the 'dense' placer builds and prices its candidates' plans itself (counted in place)."""
-    model = StepTimeModel(head_dim)
+    does it: the 'dense' placer builds and prices its candidates' plans itself (counted in place). ``relay``: the
+    time model relays K/V between nodes where it pays (``kv_relay: auto``, as ``plan.pool.pool_timing`` sets it)."""
+    model = StepTimeModel(head_dim, kv_relay=relay)
     timing = model if PLACEMENT in (TilePlacement.DENSE, TilePlacement.TIME) else None
     result, t_place = timed(place_tiles, tiles, tau, PLACEMENT, timing=timing)
     if result.exchange is not None:
@@ -156,9 +158,9 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
     name, seq_len, cp, block, H, head_dims, budget = case
     tiling, kv_fetch = MODES[mode]
     layout = TokenLayout(TokenLayoutKind.ZIGZAG, seq_len, cp)
-    chunks, tau = (8 if seq_len <= 256 * 1024 else 4), 0.03  # the paper-scale cases
+    chunks, tau, relay = (8 if seq_len <= 256 * 1024 else 4), 0.03, False  # the paper-scale cases: no relay
     if block is None:
-        block, H, chunks, tau = shipped_knobs(seq_len, head_dims)
+        block, H, chunks, tau, relay = shipped_knobs(seq_len, head_dims)
     chunks = NUM_CHUNKS or chunks
     heads = HeadLayout(*head_dims, head_split=H, num_chunks=chunks if head_dims[0] % (H * chunks) == 0 else 4,
                        elem_bytes=2)
@@ -170,7 +172,7 @@ def bench_case(segs_by_trace, case, num_pools, reps, mode):
                 gc_before = FULL_GC.ms
                 tiles, t_build = timed(build_tiles, pool, layout, heads, block, tiling=tiling, tau=tau,
                                        kv_fetch=kv_fetch)
-                result, plan, t_place, t_ex = _place_and_plan(tiles, head_dims[2], tau)
+                result, plan, t_place, t_ex = _place_and_plan(tiles, head_dims[2], tau, relay)
                 t_rank, t_expand = _rank_plan_ms(plan, tiles.num_workers)
                 for key, val in (("build", t_build), ("place", t_place), ("exchange", t_ex), ("rank", t_rank),
                                  ("expand", t_expand), ("tiles", tiles.num_tiles), ("gc", FULL_GC.ms - gc_before)):

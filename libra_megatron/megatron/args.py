@@ -18,7 +18,7 @@ import re
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..config import (
     KernelBackendName,
@@ -38,7 +38,7 @@ from ..config import (
 from ..plan.model import saved_layers
 
 __all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "parse_megatron_args",
-           "print_megatron_help", "saved_layers_of_stage", "CONFIG_FILE_NAME"]
+           "print_megatron_help", "saved_layers_of_stage", "attention_heads_of_rank", "CONFIG_FILE_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,16 @@ def libra_config_from_args(args: Any) -> LibraConfig:
             raise
         raise ValueError(f"{err} (heads per tensor-parallel rank: --num-attention-heads "
                          f"{args.num_attention_heads} / --tensor-model-parallel-size {tp})") from err
+
+
+def attention_heads_of_rank(args: Any) -> Tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) one tensor-parallel rank of a Megatron-LM run attends with: what its
+    planner plans and its sampler's pool proxy prices. ``--num-attention-heads`` and ``--num-query-groups`` (a K/V
+    head per query head without ``--group-query-attention``) over ``--tensor-model-parallel-size``, as Megatron-LM
+    splits them (ValueError names the flags when TP does not divide them); ``--kv-channels``, else hidden / heads."""
+    heads, groups, _ = _heads_per_tensor_parallel_rank(args)
+    head_dim = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // int(args.num_attention_heads))
+    return heads, groups or heads, head_dim
 
 
 def _heads_per_tensor_parallel_rank(args: Any) -> tuple:

@@ -6,14 +6,15 @@ from typing import Optional
 
 from ..config import LibraConfig
 from ..plan.layout import HeadLayout, TokenLayout
-from .args import saved_layers_of_stage
+from .args import attention_heads_of_rank, saved_layers_of_stage
 from .planner import BackgroundPlanner
 
 __all__ = ["build_planner_from_args"]
 
 
 def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
-    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP, heads and ``--kv-channels``;
+    """The planner of a Megatron-LM run: layouts from ``--seq-length``, CP and one TP rank's heads
+    (``args.attention_heads_of_rank``);
     this rank's pool worker id (its RankPlan is materialised by the planner) and its stage's layers alive at once
     (``args.saved_layers_of_stage``: one under the shipped full recompute), what auto's budget covers. It plans
     in its own process (``LIBRA_PLANNER_MODE=thread``: in a thread of the trainer).
@@ -22,13 +23,10 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     whole window ahead (``LibraHooks`` plan-ahead), and the DataLoader may start the next one early.
     """
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    hq = args.num_attention_heads // tp
-    hkv = (args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads)
-    kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    hq, hkv, kv_channels = attention_heads_of_rank(args)
     elem_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
     layout = TokenLayout(config.token_layout, args.seq_length, cp)
-    heads = HeadLayout(hq, max(1, hkv // tp), kv_channels, config.head_split, config.num_chunks, elem_bytes)
+    heads = HeadLayout(hq, hkv, kv_channels, config.head_split, config.num_chunks, elem_bytes)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)
     ga_per_window = int(args.global_batch_size) // (int(getattr(args, "micro_batch_size", 1) or 1) * dp)
     import os

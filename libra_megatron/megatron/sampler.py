@@ -39,6 +39,7 @@ import torch
 from ..config import SequencePlacement
 from ..plan.sequences import PoolProxy, SequenceStats, SyncLayout, place_sequences, priced_lanes_apply
 from ..plan.model import sequence_flops
+from .args import attention_heads_of_rank
 from .segments import gpt_sample_segments
 
 __all__ = [
@@ -306,13 +307,10 @@ def pool_proxy_from_args(args: Any, pool_size: int) -> PoolProxy:
     """The priced-pool proxy of a Megatron run (``plan.sequences.pool_proxy``): a pool is P CP groups of
     ``--seq-length`` tokens at one TP rank (its heads: ``--num-attention-heads`` and ``--num-query-groups`` over
     TP, head dim ``--kv-channels``), bf16 / fp16 elements or fp32, the time model's default rates."""
-    tp = int(getattr(args, "tensor_model_parallel_size", None) or 1)
-    hq = int(args.num_attention_heads)
-    groups = int(getattr(args, "num_query_groups", None) or hq) if getattr(args, "group_query_attention", True) else hq
-    head_dim = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // hq)
+    heads, kv_heads, head_dim = attention_heads_of_rank(args)
     half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     return PoolProxy(int(pool_size), int(getattr(args, "context_parallel_size", None) or 1), int(args.seq_length),
-                     max(hq // tp, 1), max(groups // tp, 1), head_dim, 2 if half else 4)
+                     heads, kv_heads, head_dim, 2 if half else 4)
 
 
 def sync_layout_from_args(args: Any, data_parallel_size: int, pool_size: int) -> SyncLayout:

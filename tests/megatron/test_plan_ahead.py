@@ -256,3 +256,19 @@ def test_lazy_rank_plans_are_built_once_when_threads_race_and_stay_picklable(mon
     copy = pickle.loads(pickle.dumps(ranks))
     assert copy[3].fingerprint == plan.fingerprint and copy[0].rank == 0 and built == [3, 0]
     assert pickle.loads(pickle.dumps(plan)).exchange.for_rank(1).rank == 1
+
+
+def test_the_planner_plans_the_heads_of_one_tensor_parallel_rank(monkeypatch):
+    """TP=2 over 4 query heads and 2 K/V groups: each rank's operator runs 2 and 1 (``args.attention_heads_of_rank``,
+    the rule the run's config validation uses); groups TP does not divide are refused, not rounded up to one."""
+    monkeypatch.setenv("LIBRA_PLANNER_MODE", "thread")
+    args = argparse.Namespace(**{**vars(_megatron_args()), "tensor_model_parallel_size": 2})
+    planner = build_planner_from_args(CONFIG, args)
+    try:
+        heads = planner.heads
+        assert (heads.num_q_heads, heads.num_kv_heads, heads.head_dim) == (2, 1, 16)
+    finally:
+        planner.close()
+    args.tensor_model_parallel_size = 4
+    with pytest.raises(ValueError, match=r"--num-query-groups 2 must be divisible by --tensor-model-parallel-size 4"):
+        build_planner_from_args(CONFIG, args)

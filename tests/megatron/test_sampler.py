@@ -248,6 +248,9 @@ def test_pool_proxy_from_megatron_args_reads_heads_per_tp_rank():
                                   "tensor_model_parallel_size": 1})
     proxy = pool_proxy_from_args(plain, 2)  # no GQA: a kv head per query head; fp32; head dim = hidden / heads
     assert (proxy.num_q_heads, proxy.num_kv_heads, proxy.head_dim, proxy.elem_bytes) == (64, 64, 64, 4)
+    wide = argparse.Namespace(**{**vars(args), "tensor_model_parallel_size": 8})  # 4 K/V groups over 8 TP ranks
+    with pytest.raises(ValueError, match=r"--num-query-groups 4 must be divisible by --tensor-model-parallel-size 8"):
+        pool_proxy_from_args(wide, 8)  # not one K/V head per rank, silently (Megatron-LM refuses it too)
 
 
 def test_sampler_prices_candidate_pools_at_pp2(trace_gpt_dataset):
