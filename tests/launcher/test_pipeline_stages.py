@@ -9,8 +9,9 @@ four layers:
 * reference: plain Megatron-LM, PP=1 x DP=2, ``--reset-attention-mask`` (per-document causal mask);
 * Libra, PP=4 x DP=2, pool size 2 (8 ranks): a stage's pool is its 2 DP ranks;
 * Libra, PP=2 x VPP=2 x DP=2, pool size 2 (``--num-layers-per-virtual-pipeline-stage 1``, interleaved schedule);
-* plain Megatron-LM, PP=4 x DP=2, ``--reset-attention-mask``: its ``get_batch`` returns nothing on the two
-  middle stages, so attention there runs over the whole packed sequence (one causal document).
+* plain Megatron-LM, PP=4 x DP=1 (4 ranks: what it drops does not depend on DP), ``--reset-attention-mask``: its
+  ``get_batch`` returns nothing on the two middle stages, so attention there runs over the whole packed sequence
+  (one causal document).
 
 VRSP reorders a step's sequences and TAP moves tiles; neither changes the step's sample multiset, so every
 iteration's loss (a mean over the step's tokens) and grad norm must be the reference's up to fp32 rounding.
@@ -52,7 +53,7 @@ def pipeline_runs(corpus: str, megatron_lm: str, root, release: str = "core_v0.1
         "reference": run("reference-pp1", 2, DOCUMENT_MASK, plain=True),
         "libra-pp4": run("libra-pp4", 8, LIBRA_FLAGS + PP4),
         "libra-pp2-vpp2": run("libra-pp2-vpp2", 4, LIBRA_FLAGS + PP2_VPP2),
-        "plain-pp4": run("plain-pp4", 8, DOCUMENT_MASK + PP4, plain=True),
+        "plain-pp4": run("plain-pp4", 4, DOCUMENT_MASK + PP4, plain=True),
     }
 
 
