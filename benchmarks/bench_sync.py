@@ -3,10 +3,11 @@ and the lane-balance floor checked from ``--dump-orders`` alone.
 
 Run:  .venv/bin/python benchmarks/bench_sync.py [--windows N] [--pp 1 2] [--jobs N] [--traces PATH ...]
 
-Layout (issue 16's spike and its knobs, not today's shipped ones): dense Qwen3-8B attention (hq=32, hkv=8, d=128, bf16), 256K packed
-sequences, GBS=128, DP=32, CP=8, every head on each GPU (issue 16's spike layout, kept so its figures compare; the
-shipped configs/qwen3-8b-256k.args runs TP2 x CP4, which the simulator prices with --tp 2 --cp 4) -> 4 lanes x GA 4; P=8, H=2, B=4096, M=4, tau=0.03, adaptive tiles, prefix KV fetch, Alg. 2 tiles, no K/V relay; --pp 1 and 2 (1F1B). Every number is the
-simulator's estimate (its time model), not a measurement. For each (trace, PP) one ``python -m libra_megatron.sim``
+Layout (issue 16's spike and its knobs, not today's shipped ones): dense Qwen3-8B attention (hq=32, hkv=8, d=128,
+bf16), 256K packed sequences, GBS=128, DP=32, CP=8, every head on each GPU (issue 16's spike layout, kept so its
+figures compare; the shipped configs/qwen3-8b-256k.args runs TP2 x CP4, which the simulator prices with --tp 2
+--cp 4) -> 4 lanes x GA 4; P=8, H=2, B=4096, M=4, tau=0.03, adaptive tiles, prefix KV fetch, Alg. 2 tiles, no K/V
+relay; --pp 1 and 2 (1F1B). Every number is the simulator's estimate (its time model), not a measurement. For each (trace, PP) one ``python -m libra_megatron.sim``
 run (the command is printed) reports:
     per-instance   straggler_vs_lower_bound of ours (sync VRSP) and of Alg. 1 (the ``tap_vrsp`` baseline's
                    order, same tiles): every GA step waits for the slowest pool of the whole DP

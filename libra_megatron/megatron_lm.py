@@ -20,7 +20,8 @@ Nothing of Megatron-LM is committed: the cache folder is in ``.gitignore``. Unpa
 under a file lock into a temporary folder that is renamed into place, so concurrent callers never see a
 half-written tree. A tree placed in the cache has its ``megatron`` package byte-compiled once
 (``compileall``, this interpreter): every rank of every run then imports it from ``__pycache__`` instead of
-compiling it again, which it would do at every start under ``PYTHONDONTWRITEBYTECODE``. Failure raises ``MegatronLMNotFound`` (a ``ValueError``) saying what was tried.
+compiling it again, which it would do at every start under ``PYTHONDONTWRITEBYTECODE``. Failure raises
+``MegatronLMNotFound`` (a ``ValueError``) saying what was tried.
 
 Megatron-LM's Python dependencies are the ``megatron-lm`` extra of ``setup.py`` (pinned; installed by
 ``scripts/setup_env.sh``). ``missing_package_error`` turns the ``ModuleNotFoundError`` of an import of

@@ -38,7 +38,8 @@ from ..config import (
 from ..plan.model import saved_layers
 
 __all__ = ["add_libra_args", "libra_config_from_args", "log_and_save_libra_config", "parse_megatron_args",
-           "print_megatron_help", "saved_layers_of_stage", "attention_heads_of_rank", "CONFIG_FILE_NAME"]
+           "print_megatron_help", "saved_layers_of_stage", "attention_heads_of_rank", "activation_bytes",
+           "CONFIG_FILE_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +181,11 @@ def attention_heads_of_rank(args: Any) -> Tuple[int, int, int]:
     heads, groups, _ = _heads_per_tensor_parallel_rank(args)
     head_dim = int(getattr(args, "kv_channels", None) or int(args.hidden_size) // int(args.num_attention_heads))
     return heads, groups or heads, head_dim
+
+
+def activation_bytes(args: Any) -> int:
+    """Bytes of one activation element of a Megatron-LM run: 2 under ``--bf16`` / ``--fp16``, else 4 (fp32)."""
+    return 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
 
 
 def _heads_per_tensor_parallel_rank(args: Any) -> tuple:

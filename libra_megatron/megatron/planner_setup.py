@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..config import LibraConfig
 from ..plan.layout import HeadLayout, TokenLayout
-from .args import attention_heads_of_rank, saved_layers_of_stage
+from .args import activation_bytes, attention_heads_of_rank, saved_layers_of_stage
 from .planner import BackgroundPlanner
 
 __all__ = ["build_planner_from_args"]
@@ -24,7 +24,7 @@ def build_planner_from_args(config: LibraConfig, args) -> BackgroundPlanner:
     """
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     hq, hkv, kv_channels = attention_heads_of_rank(args)
-    elem_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+    elem_bytes = activation_bytes(args)
     layout = TokenLayout(config.token_layout, args.seq_length, cp)
     heads = HeadLayout(hq, hkv, kv_channels, config.head_split, config.num_chunks, elem_bytes)
     dp = int(getattr(args, "data_parallel_size", 1) or 1)

@@ -39,7 +39,7 @@ import torch
 from ..config import SequencePlacement
 from ..plan.sequences import PoolProxy, SequenceStats, SyncLayout, place_sequences, priced_lanes_apply
 from ..plan.model import sequence_flops
-from .args import attention_heads_of_rank
+from .args import activation_bytes, attention_heads_of_rank
 from .segments import gpt_sample_segments
 
 __all__ = [
@@ -308,9 +308,8 @@ def pool_proxy_from_args(args: Any, pool_size: int) -> PoolProxy:
     ``--seq-length`` tokens at one TP rank (its heads: ``--num-attention-heads`` and ``--num-query-groups`` over
     TP, head dim ``--kv-channels``), bf16 / fp16 elements or fp32, the time model's default rates."""
     heads, kv_heads, head_dim = attention_heads_of_rank(args)
-    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     return PoolProxy(int(pool_size), int(getattr(args, "context_parallel_size", None) or 1), int(args.seq_length),
-                     heads, kv_heads, head_dim, 2 if half else 4)
+                     heads, kv_heads, head_dim, activation_bytes(args))
 
 
 def sync_layout_from_args(args: Any, data_parallel_size: int, pool_size: int) -> SyncLayout:
