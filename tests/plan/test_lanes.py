@@ -108,3 +108,35 @@ def test_sync_without_a_layout_is_refined_and_a_mismatched_layout_is_refused():
         place_sequences(flops, 4, SequencePlacement.SYNC, SyncLayout(4, 2, 4))
     with pytest.raises(ValueError, match="16 sequences but GA\\*DP = 2\\*4 = 8"):
         place_for_sync(flops, SyncLayout(4, 2, 2))
+
+
+@pytest.mark.parametrize("values", ["ties", "long-tailed"])
+def test_nearest_half_gap_search_is_the_brute_force_best_swap_in_python_and_numpy(values, monkeypatch):
+    """The swap search of the lane balancing (``lanes._nearest_half_gap``): its small-lane plain-Python form and its
+    numpy form pick the same swap (slot, slot, moved F) on every case, and that swap leaves the pair maximum no
+    pair of the two lanes beats (brute force over all pairs)."""
+    from libra_megatron.plan.sequences import lanes
+
+    rng = np.random.default_rng(7 if values == "ties" else 8)
+    found = 0
+    for _ in range(1500):
+        n = int(rng.integers(1, 17))
+        raw = rng.integers(0, 6, size=2 * n) if values == "ties" else _long_tailed(rng, 2 * n)
+        heavy, light = raw[:n].astype(float), raw[n:].astype(float)
+        gap = float(abs(heavy.sum() - light.sum()))
+        python = lanes._nearest_half_gap(heavy, light, gap)
+        monkeypatch.setattr(lanes, "_SMALL_LANE", 0)
+        vectorised = lanes._nearest_half_gap(heavy, light, gap)
+        monkeypatch.undo()
+        moved = heavy[:, None] - light[None, :]
+        score = np.where((moved > 0) & (moved < gap), np.abs(moved - gap / 2.0), np.inf)
+        if not np.isfinite(score.min()):
+            assert python is None and vectorised is None
+            continue
+        found += 1
+        assert python is not None and vectorised is not None
+        assert (python[0], int(python[1]), python[2]) == (vectorised[0], int(vectorised[1]), vectorised[2])
+        slot_h, slot_l, moved_f = python
+        assert moved_f == heavy[slot_h] - light[slot_l]
+        assert abs(moved_f - gap / 2.0) == score.min()
+    assert found > 500

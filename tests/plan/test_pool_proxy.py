@@ -46,6 +46,8 @@ def test_bad_input_is_a_clear_error():
         proxy.pricer(stats)
     with pytest.raises(ValueError, match="sequence 1: document lengths must be positive"):
         SequenceStats.of([[4, 2], [3, 0]])
+    with pytest.raises(ValueError, match="flat sequence of numbers"):  # lengths in rows would miscount documents
+        SequenceStats.of([np.array([[4, 2], [3, 1]]), np.array([[5, 5]])])
 
 
 def test_sequence_stats_match_sequence_flops_on_a_real_trace():
@@ -60,5 +62,8 @@ def test_sequence_stats_match_sequence_flops_on_a_real_trace():
     assert np.array_equal(stats.flops, sequence_flops(segments))  # bit for bit
     assert stats.max_doc.tolist() == [float(max(s)) for s in segments]
     assert stats.num_docs.tolist() == [float(len(s)) for s in segments]
+    as_arrays = SequenceStats.of([np.asarray(s, dtype=np.int64) for s in segments])  # the sampler's segments
+    assert all(np.array_equal(a, b) for a, b in zip((as_arrays.flops, as_arrays.max_doc, as_arrays.num_docs),
+                                                    (stats.flops, stats.max_doc, stats.num_docs)))
     with pytest.raises(ValueError, match="sequence 1: a packed sequence needs at least one document"):
         SequenceStats.of([[3], []])

@@ -196,3 +196,22 @@ def test_bad_layouts_name_the_flag(kwargs, match):
 def test_worker_seconds_shape_is_checked():
     with pytest.raises(ValueError, match=r"\[GA, DP\*CP\] = \[2, 4\*1\]"):
         step_timing(np.zeros((2, 3)), SyncLayout(4, 2, 2))
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 6), (4, 1, 4), (8, 1, 3), (2, 2, 4), (4, 2, 8)])
+def test_many_pipelines_at_once_equal_each_pipeline_alone(pp, vpp, m):
+    """``PipelineSchedule.run`` simulates up to a few columns in plain floats and more as numpy rows: 40 random
+    pipelines run together (rows) give, column by column, the makespan and stage busy time each gives alone
+    (plain floats, whose timelines the hand-drawn cases above check); a broadcast view runs like its copy."""
+    rng = np.random.default_rng(pp * 100 + vpp * 10 + m)
+    sched = pipeline_schedule(pp, vpp, m)
+    fwd, bwd = rng.exponential(1.0, (m, pp * vpp, 40)), rng.exponential(2.0, (m, pp * vpp, 40))
+    together = sched.run(fwd, bwd)
+    for c in range(40):
+        alone = sched.run(fwd[:, :, c], bwd[:, :, c])
+        assert together.makespan[c] == alone.makespan
+        assert together.busy[:, c] == pytest.approx(alone.busy, rel=1e-12)  # numpy sums a lone column pairwise
+    stage_times = rng.exponential(1.0, (m, 1, 12))
+    view = sched.run(np.broadcast_to(stage_times, (m, pp * vpp, 12)), np.broadcast_to(2 * stage_times, (m, pp * vpp, 12)))
+    copy = sched.run(np.repeat(stage_times, pp * vpp, axis=1), np.repeat(2 * stage_times, pp * vpp, axis=1))
+    assert view.makespan.tolist() == copy.makespan.tolist() and view.busy.tolist() == copy.busy.tolist()

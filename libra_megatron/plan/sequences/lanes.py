@@ -34,6 +34,8 @@ layer, so balancing lane totals does not help: the per-instance ``refined`` orde
 """
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Optional
 
 import numpy as np
@@ -174,20 +176,47 @@ def swap_heaviest_with_lightest(flops: np.ndarray, lanes: np.ndarray, max_swaps:
     return grid
 
 
+_SMALL_LANE = 16  # lanes of at most this many members are searched in plain Python (numpy's per-call cost dominates)
+
+
 def _nearest_half_gap(heavy: np.ndarray, light: np.ndarray, gap: float):
     """(slot in heavy, slot in light, moved F) of the swap whose moved F = F_a - F_b is nearest gap/2 within
-    (0, gap), i.e. the one leaving the smallest pair maximum; None if no swap lowers the heavier lane."""
+    (0, gap), i.e. the one leaving the smallest pair maximum; None if no swap lowers the heavier lane.
+
+    Only the two neighbours of gap/2 in the light lane's sorted weights are scored for every a (a farther one is
+    never nearer, and if a neighbour falls outside (0, gap) every weight beyond it does too); ties go to the first
+    candidate in (left neighbours by a, then right neighbours by a) order. ``_nearest_half_gap_small`` is the same
+    search, operation for operation, in plain Python for small lanes."""
     if not gap > 0:
         return None
+    if light.size <= _SMALL_LANE:
+        return _nearest_half_gap_small(heavy.tolist(), light.tolist(), gap)
     by_weight = np.argsort(light, kind="stable")
     sorted_light = light[by_weight]
     want = heavy - gap / 2.0  # the ideal F_b for every a
-    right = np.clip(np.searchsorted(sorted_light, want), 0, light.size - 1)
-    left = np.clip(right - 1, 0, light.size - 1)
+    right = np.minimum(np.searchsorted(sorted_light, want), light.size - 1)  # searchsorted gives 0 .. n
+    left = np.maximum(right - 1, 0)
     candidates = np.concatenate([left, right])  # [2n]: both neighbours of every a
-    moved = np.tile(heavy, 2) - sorted_light[candidates]
+    moved = np.concatenate([heavy, heavy]) - sorted_light[candidates]
     score = np.where((moved > 0) & (moved < gap), np.abs(moved - gap / 2.0), np.inf)
     flat = int(score.argmin())
     if not np.isfinite(score.flat[flat]):
         return None
     return flat % heavy.size, int(by_weight[candidates[flat]]), float(moved[flat])
+
+
+def _nearest_half_gap_small(heavy: list, light: list, gap: float):
+    """``_nearest_half_gap`` (gap > 0) on Python lists: the same candidates, float operations and tie order."""
+    by_weight = sorted(range(len(light)), key=light.__getitem__)  # stable, as argsort(kind="stable")
+    sorted_light = [light[b] for b in by_weight]
+    half, last = gap / 2.0, len(light) - 1
+    rights = [min(bisect.bisect_left(sorted_light, f - half), last) for f in heavy]  # searchsorted, side="left"
+    best, best_score = None, math.inf
+    for block in ([max(r - 1, 0) for r in rights], rights):
+        for a, (f, c) in enumerate(zip(heavy, block)):
+            moved = f - sorted_light[c]
+            if 0 < moved < gap:
+                score = abs(moved - half)
+                if score < best_score:
+                    best, best_score = (a, by_weight[c], moved), score
+    return best

@@ -56,10 +56,12 @@ class SequenceStats:
         F equals ``plan.model.sequence_flops`` exactly (integer-valued float64 sums below 2**53)."""
         if len(segments) == 0:
             return SequenceStats(np.zeros(0), np.zeros(0), np.zeros(0))
-        counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=len(segments))
+        counts = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
         if counts.min() < 1:
             raise ValueError(f"sequence {int(np.argmin(counts))}: a packed sequence needs at least one document")
-        lengths = np.concatenate([np.asarray(s, dtype=np.float64).reshape(-1) for s in segments])
+        lengths = np.concatenate(segments).astype(np.float64, copy=False)  # one C pass (the sampler's int64 arrays)
+        if lengths.ndim != 1 or lengths.size != int(counts.sum()):
+            raise ValueError("every sequence's document lengths must be a flat sequence of numbers")
         ends = np.cumsum(counts)
         if (lengths <= 0).any():
             first = int(np.searchsorted(ends, int(np.argmax(lengths <= 0)), side="right"))

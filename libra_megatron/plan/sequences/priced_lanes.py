@@ -20,6 +20,7 @@ Every order is a permutation of the window (the multiset is kept). Deterministic
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -64,30 +65,37 @@ def choose_lanes(fwd, bwd, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"choose_lanes needs forward and backward seconds [groupings, GA = {layout.num_microbatches}, "
                          f"lanes], got {fwd.shape} and {bwd.shape}")
     groupings, ga, lanes = fwd.shape
-    total = (fwd + bwd).transpose(1, 0, 2)  # [GA, G, lanes]
-    orders = _lane_orders(total)  # each [GA, G, lanes]
-    f, b = fwd.transpose(1, 0, 2), bwd.transpose(1, 0, 2)
-    cols_f = np.stack([np.take_along_axis(f, o, axis=0) for o in orders], axis=2)  # [GA, G, O, lanes]
-    cols_b = np.stack([np.take_along_axis(b, o, axis=0) for o in orders], axis=2)
+    orders = _lane_orders((fwd + bwd).transpose(1, 0, 2))  # [O, GA, G, lanes]
+    grouping_index = np.arange(groupings).reshape(1, 1, -1, 1)
+    lane_index = np.arange(lanes).reshape(1, 1, 1, -1)
+    # every order of every grouping and lane in one gather: [GA, G, O, lanes], one pipeline column each
+    cols_f = fwd[grouping_index, orders, lane_index].transpose(1, 2, 0, 3)
+    cols_b = bwd[grouping_index, orders, lane_index].transpose(1, 2, 0, 3)
     spans = run_lane_pipelines(cols_f.reshape(ga, -1), layout, cols_b.reshape(ga, -1)).makespan
     best = spans.reshape(groupings * len(orders), lanes).argmin(axis=0)  # grouping-major: the first minimum
     grouping, which = best // len(orders), best % len(orders)
-    chosen = np.stack([orders[o][:, g, lane] for lane, (g, o) in enumerate(zip(grouping.tolist(), which.tolist()))],
-                      axis=1)
+    chosen = orders[which, :, grouping, np.arange(lanes)].T  # [GA, lanes]
     return grouping.astype(np.int64), chosen.astype(np.int64)
 
 
-def _lane_orders(total: np.ndarray) -> list:
-    """``microbatch_orders`` of ``total`` [GA, ...], then every permutation of the GA microbatches when GA <=
-    ``EXHAUSTIVE_GA`` (few microbatches per lane -- deep pipelines, large DP -- are where the order matters most:
-    wikipedia 256K PP=4, GA 4: 2.114 -> 2.091 x the bound, PP=2 1.900 -> 1.868)."""
-    orders = microbatch_orders(total)
+def _lane_orders(total: np.ndarray) -> np.ndarray:
+    """int64 [O, GA, ...]: ``microbatch_orders`` of ``total`` [GA, ...], then every permutation of the GA microbatches
+    when GA <= ``EXHAUSTIVE_GA`` (few microbatches per lane -- deep pipelines, large DP -- are where the order matters
+    most: wikipedia 256K PP=4, GA 4: 2.114 -> 2.091 x the bound, PP=2 1.900 -> 1.868)."""
+    orders = np.stack(microbatch_orders(total))
     ga = total.shape[0]
-    if ga <= EXHAUSTIVE_GA:
-        shape = (ga,) + (1,) * (total.ndim - 1)
-        orders += [np.broadcast_to(np.array(p, dtype=np.int64).reshape(shape), total.shape)
-                   for p in itertools.permutations(range(ga))]
-    return orders
+    if ga > EXHAUSTIVE_GA:
+        return orders
+    perms = _permutations(ga).reshape((-1, ga) + (1,) * (total.ndim - 1))
+    return np.concatenate([orders, np.broadcast_to(perms, (perms.shape[0],) + total.shape)])
+
+
+@functools.lru_cache(maxsize=8)
+def _permutations(ga: int) -> np.ndarray:
+    """int64 [GA!, GA]: every order of GA microbatches, lexicographic (read-only: it is shared)."""
+    out = np.array(list(itertools.permutations(range(ga))), dtype=np.int64).reshape(-1, ga)
+    out.setflags(write=False)
+    return out
 
 
 def _checked_seconds(pool_seconds: PoolSeconds, pools: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,7 @@ count) and is added as ``other_seconds`` per microbatch and stage to the forward
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -174,25 +175,74 @@ class PipelineSchedule:
     after_data: np.ndarray
 
     def run(self, forward: np.ndarray, backward: np.ndarray) -> "PipelineRun":
-        """Simulate with per-(microbatch, virtual stage) seconds ``forward``/``backward`` [m, PP*VPP, ...];
-        trailing axes (e.g. lanes) are simulated independently. Returns end time and busy time per stage."""
+        """Simulate with per-(microbatch, virtual stage) seconds ``forward``/``backward`` [m, PP*VPP, ...] (broadcast
+        views are fine: nothing of their size is copied); trailing axes (e.g. lanes) are simulated independently.
+        Returns the end time and (computed when read) the busy time of every stage."""
         fwd, bwd = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+        ops = self._op_list()
+        trailing = fwd.shape[2:]
+        if math.prod(trailing) <= _PYTHON_COLUMNS:  # few columns: plain floats beat numpy's per-call cost
+            f, b = (x.reshape(x.shape[:2] + (-1,)) for x in (fwd, bwd))
+            makespan = np.asarray([_column_makespan(f[:, :, c].tolist(), b[:, :, c].tolist(), ops)
+                                   for c in range(f.shape[2])]).reshape(trailing)
+        else:
+            makespan = _rows_makespan(fwd, bwd, ops)
+        return PipelineRun(makespan, lambda: self._busy(fwd, bwd))
+
+    def _op_list(self) -> List[Tuple[bool, int, int, int, int]]:
+        """(backward?, microbatch, virtual stage, after_stage, after_data) of every op, in order (built once)."""
+        cached = self.__dict__.get("_ops")
+        if cached is None:
+            cached = list(zip(self.backward.tolist(), self.microbatch.tolist(), self.virtual.tolist(),
+                              self.after_stage.tolist(), self.after_data.tolist()))
+            object.__setattr__(self, "_ops", cached)
+        return cached
+
+    def _busy(self, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+        """[PP, ...]: the seconds every stage computes (the sum of its ops' durations, in op order)."""
         duration = np.where(self.backward.reshape((-1,) + (1,) * (fwd.ndim - 2)),
                             bwd[self.microbatch, self.virtual], fwd[self.microbatch, self.virtual])
-        end = np.zeros((duration.shape[0] + 1,) + duration.shape[1:])  # row -1 (the last) stays 0: "no op"
-        for i, (a, b) in enumerate(zip(self.after_stage.tolist(), self.after_data.tolist())):
-            end[i] = np.maximum(end[a], end[b]) + duration[i]
-        end = end[:-1]
-        busy = np.stack([duration[self.stage == s].sum(axis=0) for s in range(self.num_stages)])
-        return PipelineRun(end.max(axis=0), busy)
+        return np.stack([duration[self.stage == s].sum(axis=0) for s in range(self.num_stages)])
 
 
-@dataclass(frozen=True)
+_PYTHON_COLUMNS = 8  # up to this many independent pipelines ``PipelineSchedule.run`` simulates in plain Python
+
+
+def _column_makespan(fwd: List[List[float]], bwd: List[List[float]], ops) -> float:
+    """One pipeline of ``PipelineSchedule.run`` in plain floats (``fwd``/``bwd`` [m][PP*VPP]): end[i] = max(end of
+    the stage's previous op, end of the producer) + duration, the same operations as ``_rows_makespan``."""
+    end = [0.0] * (len(ops) + 1)  # end[-1] = 0: "no op"
+    for i, (back, g, v, a, b) in enumerate(ops):
+        ea, eb = end[a], end[b]
+        end[i] = (ea if ea >= eb else eb) + (bwd if back else fwd)[g][v]
+    return max(end[:-1])
+
+
+def _rows_makespan(fwd: np.ndarray, bwd: np.ndarray, ops) -> np.ndarray:
+    """Every trailing column at once: one row of ends per op (small arrays; a [ops, columns] table of ends would be
+    one large allocation per call), the makespan their running maximum."""
+    zero = np.zeros(fwd.shape[2:])
+    ends: List[np.ndarray] = []
+    makespan = zero.copy()
+    for back, g, v, a, b in ops:
+        row = np.maximum(ends[a] if a >= 0 else zero, ends[b] if b >= 0 else zero)
+        row += (bwd if back else fwd)[g, v]
+        np.maximum(makespan, row, out=makespan)
+        ends.append(row)
+    return makespan
+
+
 class PipelineRun:
-    """``makespan`` [...] and ``busy`` [PP, ...] seconds of every stage."""
+    """``makespan`` [...] and ``busy`` [PP, ...] seconds of every stage (``busy`` is computed when first read: the
+    placements read only the makespan)."""
 
-    makespan: np.ndarray
-    busy: np.ndarray
+    def __init__(self, makespan: np.ndarray, busy) -> None:
+        self.makespan = makespan
+        self._busy = busy if callable(busy) else (lambda: busy)
+
+    @functools.cached_property
+    def busy(self) -> np.ndarray:
+        return self._busy()
 
     @property
     def bubble_fraction(self) -> np.ndarray:
@@ -327,6 +377,7 @@ def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout, backw
     if pp == 1:  # one stage: forward then backward of every microbatch, nothing waits
         busy = ((fwd_stage.sum(axis=0) + bwd_stage.sum(axis=0)) * vpp)[None, :]
         return PipelineRun(busy[0], busy)
-    fwd = np.repeat(fwd_stage[:, None, :], pp * vpp, axis=1)  # [GA, PP*VPP, lanes]
-    bwd = np.repeat(bwd_stage[:, None, :], pp * vpp, axis=1)
+    shape = (fwd_stage.shape[0], pp * vpp) + fwd_stage.shape[1:]  # [GA, PP*VPP, lanes]: views, every stage alike
+    fwd = np.broadcast_to(fwd_stage[:, None], shape)
+    bwd = np.broadcast_to(bwd_stage[:, None], shape)
     return pipeline_schedule(pp, vpp, layout.num_microbatches).run(fwd, bwd)
