@@ -19,7 +19,6 @@ shipped plus each extra grouping. The shipped column is recomputed here and chec
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -33,7 +32,9 @@ from libra_megatron.plan.sequences.priced_lanes import (assemble_order, choose_l
                                                         priced_step_seconds)
 from libra_megatron.plan.sequences.vrsp import place_alg1, place_contiguous  # noqa: E402
 from libra_megatron.sim import runner  # noqa: E402
-from libra_megatron.sim.__main__ import _load_traces, parse_args, spec_from_args  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pp_priced_lanes import simulated_windows  # noqa: E402
 
 
 def halves(flops, lane, pool, ga):
@@ -81,26 +82,11 @@ def guarded_order(flops, layout, pool_seconds, names):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", required=True)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--vpp", type=int, default=1)
-    parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--windows", type=int, default=8)
-    args = parser.parse_args(argv)
-    sim_argv = ["--trace", args.trace, "--libra-config", "configs/libra/256k.yaml", "--seq-len", "262144",
-                "--gbs", "128", "--dp", "32", "--cp", "8", "--model", args.model, "--max-windows", str(args.windows),
-                "--no-distca", "--no-progress", "--pp", str(args.pp), "--vpp", str(args.vpp)]
-    print("simulator spec:", " ".join(sim_argv))
-    sim_args = parse_args(sim_argv)
-    spec = spec_from_args(sim_args)
-    corpus, num_windows, ev = runner.prepare_corpus(_load_traces(sim_args.trace, spec), spec, 1)
-    cand = runner._make_candidates(spec)[0]
-    layout = spec.sync_layout(cand.pool_size)
+    args, spec, corpus, num_windows, ev, cand, layout = simulated_windows(__doc__, argv)
     names = ("placed", "alg1", "contiguous") + tuple(VARIANTS)
     totals = dict.fromkeys(names + ("lower_bound",), 0.0)
     start = time.perf_counter()
-    for w in range(min(num_windows, args.windows)):
+    for w in range(num_windows):
         win = runner._window_data(corpus, w, spec)
         pool_seconds = runner.window_pool_seconds(corpus, win.ids, cand.pool_size, spec)
         orders = runner._orders(win.flops, cand.pool_size, spec, pool_seconds)
@@ -113,7 +99,7 @@ def main(argv=None) -> None:
         bound = timings["lower_bound"].seconds
         print(f"window {w}: " + "  ".join(f"{n} {timings[n].seconds / bound:.3f}" for n in names), flush=True)
     print(f"PP={args.pp} VPP={args.vpp} {args.model}, {os.path.basename(args.trace)}, step / lower bound over "
-          f"{min(num_windows, args.windows)} windows: "
+          f"{num_windows} windows: "
           + ", ".join(f"{n} {totals[n] / totals['lower_bound']:.3f}" for n in names)
           + f" ({time.perf_counter() - start:.0f} s)")
 

@@ -48,8 +48,10 @@ def exact_order(win, spec, ev, cand, layout):
     return priced_lane_order(win.flops, layout, pool_seconds)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def simulated_windows(description: str, argv=None):
+    """The command line both PP benchmarks share (--trace, --pp, --vpp, --model, --windows; 256K, GBS 128, DP 32,
+    CP 8, configs/libra/256k.yaml), parsed and prepared: (args, spec, corpus, windows, evaluator, candidate, layout)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", required=True)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vpp", type=int, default=1)
@@ -64,10 +66,14 @@ def main(argv=None) -> None:
     spec = spec_from_args(sim_args)
     corpus, num_windows, ev = runner.prepare_corpus(_load_traces(sim_args.trace, spec), spec, 1)
     cand = runner._make_candidates(spec)[0]
-    layout = spec.sync_layout(cand.pool_size)
+    return args, spec, corpus, min(num_windows, args.windows), ev, cand, spec.sync_layout(cand.pool_size)
+
+
+def main(argv=None) -> None:
+    args, spec, corpus, num_windows, ev, cand, layout = simulated_windows(__doc__, argv)
     totals = dict.fromkeys(ORDERS + ("lower_bound",), 0.0)
     start = time.perf_counter()
-    for w in range(min(num_windows, args.windows)):
+    for w in range(num_windows):
         win = runner._window_data(corpus, w, spec)
         orders = runner._orders(win.flops, cand.pool_size, spec,
                                 runner.window_pool_seconds(corpus, win.ids, cand.pool_size, spec))
@@ -81,7 +87,7 @@ def main(argv=None) -> None:
         print(f"window {w}: {ratios}", flush=True)
     lb = totals["lower_bound"]
     print(f"PP={args.pp} VPP={args.vpp} {args.model}, {os.path.basename(args.trace)}, step / lower bound over "
-          f"{min(num_windows, args.windows)} windows: "
+          f"{num_windows} windows: "
           + ", ".join(f"{LABELS[n]} {totals[n] / lb:.3f}" for n in ORDERS)
           + f"; shipped vs F proxy {totals['placed'] / totals['f_proxy']:.3f}, exact vs shipped "
           f"{totals['exact'] / totals['placed']:.3f}"
