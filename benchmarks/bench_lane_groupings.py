@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from libra_megatron.plan.sequences.lanes import lane_members, like_with_like, place_for_sync  # noqa: E402
-from libra_megatron.plan.sequences.priced_lanes import (assemble_order, choose_lanes,  # noqa: E402
-                                                        priced_step_seconds)
+from libra_megatron.plan.sequences.priced_lanes import (GROUPINGS, assemble_order, choose_lanes,  # noqa: E402
+                                                        lane_groupings, priced_step_seconds)
 from libra_megatron.plan.sequences.vrsp import place_alg1, place_contiguous  # noqa: E402
 from libra_megatron.sim import runner  # noqa: E402
 
@@ -54,24 +54,19 @@ def pair_swap(flops, lane, pool, ga):
     return grid
 
 
-GROUPINGS = {
-    "like": lambda flops, lane, pool, ga: like_with_like(flops, lane, pool),
-    "alg1": lambda flops, lane, pool, ga: lane[place_alg1(flops[lane], pool)].reshape(ga, pool),
-    "halves": halves,
-    "pairswap": pair_swap,
-}
-VARIANTS = {"shipped": ("like", "alg1"), "+halves": ("like", "alg1", "halves"),
-            "+pairswap": ("like", "alg1", "pairswap")}
+EXTRA = {"halves": halves, "pairswap": pair_swap}
+VARIANTS = {"shipped": (), "+halves": ("halves",), "+pairswap": ("pairswap",)}  # extra groupings beside GROUPINGS
 
 
-def guarded_order(flops, layout, pool_seconds, names):
-    """``place_for_pipelines`` with the lanes' groupings ``names``: the priced lanes, then the fastest of them, the
-    F-proxy sync order, Algorithm 1's and the sampler's under ``pool_seconds`` (ties: the earlier)."""
+def guarded_order(flops, layout, pool_seconds, extra):
+    """``place_for_pipelines`` with the shipped ``priced_lanes.lane_groupings`` of every lane plus the groupings
+    ``extra``: the priced lanes, then the fastest of them, the F-proxy sync order, Algorithm 1's and the sampler's
+    under ``pool_seconds`` (ties: the earlier)."""
     ga, pool = layout.num_microbatches, layout.pool_size
-    grids = np.stack([np.stack([GROUPINGS[n](flops, lane, pool, ga) for n in names])
-                      for lane in lane_members(flops, layout)])  # [lanes, G, GA, P]
+    grids = np.stack([np.stack([shipped[n] for n in GROUPINGS] + [EXTRA[n](flops, lane, pool, ga) for n in extra])
+                      for lane, shipped in zip(lane_members(flops, layout), lane_groupings(flops, layout))])
     lanes = grids.shape[0]
-    fwd, bwd = (np.asarray(x, dtype=np.float64).reshape(lanes, len(names), ga).transpose(1, 2, 0)
+    fwd, bwd = (np.asarray(x, dtype=np.float64).reshape(lanes, grids.shape[1], ga).transpose(1, 2, 0)
                 for x in pool_seconds(grids.reshape(-1, pool)))
     grouping, order = choose_lanes(fwd, bwd, layout)
     priced = assemble_order([grids[j, grouping[j]][order[:, j]] for j in range(lanes)], layout)

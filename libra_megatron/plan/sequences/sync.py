@@ -35,10 +35,9 @@ count) and is added as ``other_seconds`` per microbatch and stage to the forward
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -179,7 +178,7 @@ class PipelineSchedule:
         views are fine: nothing of their size is copied); trailing axes (e.g. lanes) are simulated independently.
         Returns the end time and (computed when read) the busy time of every stage."""
         fwd, bwd = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
-        ops = self._op_list()
+        ops = self._ops
         trailing = fwd.shape[2:]
         if math.prod(trailing) <= _PYTHON_COLUMNS:  # few columns: plain floats beat numpy's per-call cost
             f, b = (x.reshape(x.shape[:2] + (-1,)) for x in (fwd, bwd))
@@ -189,14 +188,11 @@ class PipelineSchedule:
             makespan = _rows_makespan(fwd, bwd, ops)
         return PipelineRun(makespan, lambda: self._busy(fwd, bwd))
 
-    def _op_list(self) -> List[Tuple[bool, int, int, int, int]]:
-        """(backward?, microbatch, virtual stage, after_stage, after_data) of every op, in order (built once)."""
-        cached = self.__dict__.get("_ops")
-        if cached is None:
-            cached = list(zip(self.backward.tolist(), self.microbatch.tolist(), self.virtual.tolist(),
-                              self.after_stage.tolist(), self.after_data.tolist()))
-            object.__setattr__(self, "_ops", cached)
-        return cached
+    @cached_property
+    def _ops(self) -> List[Tuple[bool, int, int, int, int]]:
+        """(backward?, microbatch, virtual stage, after_stage, after_data) of every op, in order."""
+        return list(zip(self.backward.tolist(), self.microbatch.tolist(), self.virtual.tolist(),
+                        self.after_stage.tolist(), self.after_data.tolist()))
 
     def _busy(self, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
         """[PP, ...]: the seconds every stage computes (the sum of its ops' durations, in op order)."""
@@ -240,7 +236,7 @@ class PipelineRun:
         self.makespan = makespan
         self._busy = busy if callable(busy) else (lambda: busy)
 
-    @functools.cached_property
+    @cached_property
     def busy(self) -> np.ndarray:
         return self._busy()
 
