@@ -1,4 +1,4 @@
-"""The dense placement's op-list cache (``plan.exchange.schedule.rank_ops_key``): candidate placements of one
+"""The dense placement's op-list cache (``plan.exchange.op_lists.rank_ops_key``): candidate placements of one
 pool share most ranks' plans, and a rank's op lists are built once per distinct plan. The cache may only skip work:
 equal keys must mean equal op lists, and a cached pricing must equal an uncached one."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 from libra_megatron.config import KvFetch, TilePlacement, TilingPolicy, TokenLayoutKind
 from libra_megatron.plan.exchange import build_exchange_plan, plan_layer_timing
 from libra_megatron.plan.exchange.runtime_tables import rank_sizes
-from libra_megatron.plan.exchange.schedule import layer_ops, rank_layer_ops, rank_ops_key
+from libra_megatron.plan.exchange.op_lists import layer_ops, rank_ops_key
+from libra_megatron.plan.exchange.schedule import rank_layer_ops
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.model import StepTimeModel
 from libra_megatron.plan.tiles import build_tiles, place_tiles
@@ -48,7 +49,7 @@ def test_equal_keys_mean_equal_op_lists_and_the_cache_changes_no_price():
         without = plan_layer_timing(plan, model)
         for phase in ("forward", "backward"):
             assert np.array_equal(getattr(with_cache, phase).seconds, getattr(without, phase).seconds)
-    assert len(cache) == len(keyed)  # every distinct rank plan built once over both candidates
+    assert len(cache) == 2 * len(keyed)  # every distinct rank plan's two phases built once over both candidates
 
 
 def _key(rank_plan):
@@ -67,3 +68,18 @@ def test_the_key_sees_each_field_the_op_lists_read():
                    dict(heads=dataclasses.replace(rank_plan.heads, elem_bytes=4))):
         assert _key(dataclasses.replace(rank_plan, **change)) != base, change
     assert _key(dataclasses.replace(rank_plan, fingerprint="another pool")) == base  # not read
+
+
+def test_a_phase_is_built_and_priced_only_when_read():
+    """``LayerPricing`` builds a phase's op lists on its first read: after the forward alone the cache holds no
+    backward list, and the forward priced alone equals the forward of the whole layer."""
+    from libra_megatron.plan.exchange import LayerPricing
+
+    model, plans = _candidates()
+    cache = {}
+    pricing = LayerPricing(plans[0], model, cache=cache)
+    forward = pricing.phase("forward")
+    assert cache and {key[-1] for key in cache} == {"forward"}
+    assert np.array_equal(forward.seconds, plan_layer_timing(plans[0], model).forward.seconds)
+    pricing.layer()
+    assert {key[-1] for key in cache} == {"forward", "backward"}

@@ -127,7 +127,7 @@ def _uncached_timeline(monkeypatch):
 
 
 def test_the_timeline_prices_each_distinct_exchange_once_and_the_same(monkeypatch):
-    from libra_megatron.plan.exchange.schedule import layer_ops
+    from libra_megatron.plan.exchange import layer_ops
     from libra_megatron.plan.model import Exchange, events, price_ops
 
     from .test_op_list_cache import _candidates

@@ -7,7 +7,8 @@
     kv_refs         which K/V rows a destination fetches (deduplicated per (sample, head shard) group)
     local_entries   which varlen entries need no received data (the Pipeliner's local-first split)
     traffic         per-worker, per-chunk bytes of a plan, and their seconds under ``plan.model``
-    schedule        every rank's op list of a layer, forward and backward, as the runtime issues it
+    schedule        one rank's op list of a layer, forward and backward, as the runtime issues it
+    op_lists        every rank's op lists of a plan, phase by phase, cached across a pool's candidate plans
     runtime_tables  ``rank_tables``: a rank's plan as index runs for the runtime (cached); ``rank_sizes``: its
                     split sizes and varlen lengths alone (what the op lists read)
     pool_sizes      ``pool_rank_sizes``: every rank's ``rank_sizes`` at once, from the pool-wide tables
@@ -20,8 +21,9 @@ from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, ho
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
 from .relay import RELAY_SENDER_CUTS
 from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables
-from .schedule import SAVE_MODES, LayerOps, entry_pairs, layer_ops, rank_layer_ops
-from .traffic import (LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
+from .op_lists import LayerOps, layer_ops, phase_ops
+from .schedule import SAVE_MODES, entry_pairs, rank_layer_ops
+from .traffic import (LayerPricing, LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
                       traffic_of_units)
 from .validate import validate_plan
 
@@ -29,6 +31,6 @@ __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_gro
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
            "RELAY_SENDER_CUTS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
            "rank_tables",
-           "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "rank_layer_ops", "LayerTiming", "plan_layer_timing",
+           "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "phase_ops", "rank_layer_ops", "LayerPricing", "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",
            "validate_plan"]

@@ -15,7 +15,7 @@ the same fields straight from the tables the RankPlans are cut from (``tables.Pl
 
 ``tests/plan/test_pool_sizes.py`` checks every field against ``rank_sizes`` of every rank on real pools (relay,
 split entries, several chunks). ``sizes_key`` is what the op lists of ``plan.exchange.schedule`` read of a
-``RankSizes``, as a hashable tuple: equal keys, equal op lists (with the rank's other inputs: ``schedule.layer_ops``).
+``RankSizes``, as a hashable tuple: equal keys, equal op lists (with the rank's other inputs: ``op_lists.layer_ops``).
 """
 from __future__ import annotations
 

@@ -15,27 +15,18 @@ dK|dV sums in the accumulation dtype (``a`` = 4, 8 for fp64), e = ``HeadLayout.e
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ..model import POOL, RELAY, Copy, Exchange, Kernel, Wait
-from .pool_sizes import pool_rank_sizes, sizes_key
 from .runtime_tables import RankSizes, RouteSplits, rank_sizes
 
-__all__ = ["LayerOps", "rank_layer_ops", "layer_ops", "entry_pairs", "SAVE_MODES", "rank_ops_key"]
+__all__ = ["rank_layer_ops", "rank_phase_ops", "entry_pairs", "check_modes", "SAVE_MODES", "PHASES"]
 
 SAVE_MODES = ("arranged", "refetch")
+PHASES = ("forward", "backward")
 INVERSE_Q_TAGS = ("o", "dq")  # the returns along the inverse Q route: each fills its chunk's rows of the output
-
-
-@dataclass(frozen=True)
-class LayerOps:
-    """Per rank (index = pool worker), the op tuples of the layer's forward and of its backward."""
-
-    forward: Tuple[tuple, ...]
-    backward: Tuple[tuple, ...]
 
 
 def entry_pairs(q_lens, k_lens, causal: bool = True) -> int:
@@ -438,21 +429,23 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         rk.cast(local_rows, sz.dkv_acc // 2, sz.kv // 2, "dkv", -1)
 
 
-def _check_modes(save_mode: str, relay_comm: str) -> None:
+def check_modes(save_mode: str, relay_comm: str) -> None:
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if relay_comm not in (POOL, RELAY):
         raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
 
 
-def _rank_ops(sizes: RankSizes, heads, rank: int, num_workers: int, local_tokens: int, local_lead: int,
-              save_mode: str, relay_comm: str) -> Tuple[tuple, tuple]:
-    """(forward ops, backward ops) of one rank from everything they read (``rank_layer_ops``)."""
-    fwd = _Rank(sizes, heads, rank, num_workers, relay_comm)
-    _forward(fwd, local_lead)
-    bwd = _Rank(sizes, heads, rank, num_workers, relay_comm)
-    _backward(bwd, save_mode == "refetch", local_tokens * heads.kv_pieces_per_token)
-    return tuple(fwd.ops), tuple(bwd.ops)
+def rank_phase_ops(inputs: tuple, phase: str, save_mode: str, relay_comm: str) -> tuple:
+    """The ops of one rank in one phase ("forward" | "backward") from everything they read (``op_lists.rank_ops_key``:
+    sizes, heads, rank, pool size, local tokens, lead)."""
+    sizes, heads, rank, num_workers, local_tokens, local_lead = inputs
+    rk = _Rank(sizes, heads, rank, num_workers, relay_comm)
+    if phase == "forward":
+        _forward(rk, local_lead)
+    else:
+        _backward(rk, save_mode == "refetch", local_tokens * heads.kv_pieces_per_token)
+    return tuple(rk.ops)
 
 
 def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -> Tuple[tuple, tuple]:
@@ -461,38 +454,6 @@ def rank_layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY) -
     "pool": ``libra_attn_func(relay_group=None)``). Received rows are copied at the *target's* row bytes:
     ``PendingExchange.into`` casts the received rows to the target dtype, then copies (dK|dV that travel at the
     input dtype are added as fp32 rows)."""
-    _check_modes(save_mode, relay_comm)
-    return _rank_ops(rank_sizes(plan), plan.heads, plan.rank, plan.num_workers, plan.local_tokens, plan.local_lead,
-                     save_mode, relay_comm)
-
-
-def rank_ops_key(sizes: RankSizes, heads, rank: int, num_workers: int, local_tokens: int, local_lead: int) -> tuple:
-    """Everything ``rank_layer_ops`` reads of a rank (its sizes: ``pool_sizes.sizes_key``; rank, pool size, tokens,
-    heads, lead; not the pool's fingerprint), hashable: equal keys, equal op lists. Candidate placements of one
-    pool share most ranks' sizes (``plan.tiles.placement._run_dense``), so their op lists are built once."""
-    return (rank, num_workers, local_tokens, local_lead, heads, sizes_key(sizes))
-
-
-def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY,
-              cache: Optional[Dict[tuple, Tuple[tuple, tuple]]] = None) -> LayerOps:
-    """``rank_layer_ops`` of every rank of an ``ExchangePlan``, every rank's sizes read at once from the plan's
-    pool-wide tables (``pool_sizes.pool_rank_sizes``). ``cache``: a dict shared by several plans of one pool
-    (``rank_ops_key``): a rank whose sizes another candidate already had reuses its op lists."""
-    _check_modes(save_mode, relay_comm)
-    tables = getattr(plan.ranks, "_tables", None)
-    W, per_rank = plan.num_workers, []
-    for r, sizes in enumerate(pool_rank_sizes(plan)):
-        if tables is None:
-            rank_plan = plan.for_rank(r)
-            inputs = (sizes, rank_plan.heads, r, W, rank_plan.local_tokens, rank_plan.local_lead)
-        else:
-            lead = -1 if tables.local_lead is None else int(tables.local_lead[r])
-            inputs = (sizes, tables.heads, r, W, tables.local_tokens, lead)
-        if cache is None:
-            per_rank.append(_rank_ops(*inputs, save_mode, relay_comm))
-            continue
-        key = (rank_ops_key(*inputs), save_mode, relay_comm)
-        if key not in cache:
-            cache[key] = _rank_ops(*inputs, save_mode, relay_comm)
-        per_rank.append(cache[key])
-    return LayerOps(tuple(f for f, _ in per_rank), tuple(b for _, b in per_rank))
+    check_modes(save_mode, relay_comm)
+    inputs = (rank_sizes(plan), plan.heads, plan.rank, plan.num_workers, plan.local_tokens, plan.local_lead)
+    return tuple(rank_phase_ops(inputs, phase, save_mode, relay_comm) for phase in PHASES)

@@ -26,10 +26,10 @@ import numpy as np
 from ..gc_pause import paused_gc
 from ..layout import HeadLayout
 from ..model import PhaseTiming, RelayTiming, price_ops
-from .schedule import layer_ops
+from .op_lists import phase_ops, rank_inputs
 
 __all__ = ["PlanTraffic", "plan_traffic", "traffic_of_units", "chunk_phase_bytes", "plan_worker_seconds", "LayerTiming",
-           "plan_layer_timing"]
+           "LayerPricing", "plan_layer_timing"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,13 +176,33 @@ class LayerTiming:
         return self.forward.seconds + self.backward.seconds
 
 
+class LayerPricing:
+    """The layer of an ExchangePlan as the runtime runs it, priced a phase at a time: every rank's op lists of the
+    phase (``plan.exchange.schedule``, call for call ``runtime.libra_attn``) played with the peers coupled
+    (``plan.model.events.price_ops``) on ``model``'s nodes and rates, each phase built and priced on its first read
+    (the dense placement stops after the forward of a candidate a bound already rules out). ``save_mode``
+    "arranged" | "refetch"; ``cache``: ``op_lists.phase_ops``' op-list cache, shared by candidate plans of one pool.
+    Runs with automatic garbage collection paused (``plan.gc_pause``)."""
+
+    def __init__(self, plan, model, save_mode: str = "arranged", relay_comm: str = "relay", cache=None):
+        self.plan, self.model, self.save_mode, self.relay_comm, self.cache = plan, model, save_mode, relay_comm, cache
+        self._inputs = None
+        self._phases = {}
+
+    def phase(self, name: str) -> PhaseTiming:
+        """``PhaseTiming`` of "forward" or "backward"."""
+        if name not in self._phases:
+            with paused_gc():
+                if self._inputs is None:
+                    self._inputs = rank_inputs(self.plan)
+                ops = phase_ops(self._inputs, name, self.save_mode, self.relay_comm, self.cache)
+                self._phases[name] = price_ops(ops, self.model, self.model.nodes(self.plan.num_workers))
+        return self._phases[name]
+
+    def layer(self) -> LayerTiming:
+        return LayerTiming(self.phase("forward"), self.phase("backward"), self.save_mode)
+
+
 def plan_layer_timing(plan, model, save_mode: str = "arranged", relay_comm: str = "relay", cache=None) -> LayerTiming:
-    """The layer of an ExchangePlan as the runtime runs it: every rank's forward and backward op lists
-    (``plan.exchange.schedule``, call for call ``runtime.libra_attn``) priced with the peers coupled
-    (``plan.model.events.price_ops``) on ``model``'s nodes and rates. ``save_mode`` "arranged" | "refetch";
-    ``cache``: ``layer_ops``' op-list cache, shared by candidate plans of one pool. Runs with automatic garbage
-    collection paused (``plan.gc_pause``)."""
-    with paused_gc():
-        ops = layer_ops(plan, save_mode, relay_comm, cache)
-        nodes = model.nodes(plan.num_workers)
-        return LayerTiming(price_ops(ops.forward, model, nodes), price_ops(ops.backward, model, nodes), save_mode)
+    """The layer of an ExchangePlan as the runtime runs it, forward and backward (``LayerPricing``)."""
+    return LayerPricing(plan, model, save_mode, relay_comm, cache).layer()

@@ -17,7 +17,7 @@ from .kernel_fit import KernelFit, PhaseFit, fit_kernel_calls, fit_quality
 from .kernel_cost import FEATURES, TileCostModel, entry_features, fit_tile_cost_model, nnls, tile_features
 from .memory import (choose_save_mode, deferred_relay_bytes, hosted_units, predicted_saved_bytes, saved_bytes_per_rank,
                      saved_layers)
-from .events import OpCosts, PhaseTiming, price_ops
+from .events import OpCosts, PhaseTiming, kernel_floor_per_pair, price_ops
 from .ops import COPY_KINDS, POOL, RELAY, Copy, Exchange, Kernel, Wait, op_keys
 from .rates import (BACKWARD_FLOPS_FACTOR, DEFAULT_ATTN_TFLOPS, DEFAULT_COLLECTIVE_US, DEFAULT_COPY_GBPS,
                     DEFAULT_ADD_GBPS, DEFAULT_GATHER_GBPS, DEFAULT_PLACE_GBPS, DEFAULT_WIDEN_GBPS, DEFAULT_ELEMENTWISE_GBPS,
@@ -33,7 +33,7 @@ __all__ = [
     "CalibrationTable", "resolve_calibration", "shipped_calibrations", "KernelFit", "PhaseFit", "fit_kernel_calls",
     "fit_quality", "FEATURES", "TileCostModel", "entry_features", "fit_tile_cost_model", "nnls", "tile_features",
     "choose_save_mode", "deferred_relay_bytes", "hosted_units", "predicted_saved_bytes", "saved_bytes_per_rank", "saved_layers",
-    "OpCosts", "PhaseTiming", "price_ops", "COPY_KINDS", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
+    "OpCosts", "PhaseTiming", "kernel_floor_per_pair", "price_ops", "COPY_KINDS", "POOL", "RELAY", "Copy", "Exchange", "Kernel", "Wait", "op_keys", "BACKWARD_FLOPS_FACTOR",
     "DEFAULT_COLLECTIVE_US", "DEFAULT_COPY_GBPS", "DEFAULT_ADD_GBPS", "DEFAULT_GATHER_GBPS", "DEFAULT_PLACE_GBPS",
     "DEFAULT_WIDEN_GBPS", "DEFAULT_ELEMENTWISE_GBPS", "DEFAULT_COPY_LAUNCH_US", "DEFAULT_INTER_MESSAGE_US",
     "DEFAULT_INTRA_MESSAGE_US", "DEFAULT_KERNEL_ENTRY_US", "DEFAULT_KERNEL_LAUNCH_US",

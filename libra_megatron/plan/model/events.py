@@ -36,7 +36,7 @@ traffic, host-side launch gaps (the host is assumed ahead of the device), and st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from .ops import COPY_KINDS, Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
 __all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds",
-           "exchange_link_seconds"]
+           "exchange_link_seconds", "kernel_floor_per_pair"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +98,18 @@ class OpCosts:
         if per_byte is None:
             raise ValueError(f"Copy op {op.op!r} is not one of {COPY_KINDS} (plan.model.ops)")
         return 0.0 if op.nbytes == 0 else self.copy_launch + op.nbytes * per_byte
+
+
+def kernel_floor_per_pair(model) -> Optional[Tuple[float, float]]:
+    """(forward, backward) seconds per pair-head that a rank's kernel calls take at least under ``model``
+    (``OpCosts.kernel`` without its launches and per-entry costs); None under a calibration (its calls are priced
+    per shape). A rank's calls compute exactly the pair-heads it hosts (every entry's pairs; a split entry's parts
+    together), and a phase's seconds on a rank are never below its kernels' sum, so hosted pair-heads x this bounds
+    the phase from below (``plan.tiles.placement`` cuts candidates with it)."""
+    costs = OpCosts(model)
+    if costs.per_pair is None:
+        return None
+    return costs.per_pair, costs.per_pair * costs.bwd_scale
 
 
 def _fair_sums(S: np.ndarray) -> np.ndarray:

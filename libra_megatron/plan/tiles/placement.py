@@ -24,14 +24,14 @@ import numpy as np
 from ...config import TilePlacement
 from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
-from ..exchange import build_exchange_plan, fetched_groups, plan_layer_timing
-from ..model import StepTimeModel
+from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_layer_timing
+from ..model import StepTimeModel, kernel_floor_per_pair
 from .node_export import export_dense_first
 from .tiles import TileSet
 from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, refine_for_time, time_moves
 
 __all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads",
-           "layer_seconds"]
+           "layer_seconds", "fastest_layer"]
 
 _MAX_REFINE_STEPS_PER_WORKER = 4  # REFINED stops after 4*W accepted moves/swaps
 
@@ -177,23 +177,56 @@ def _dense_candidates(tiles: TileSet, tau: float, tile_cost, timing: StepTimeMod
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
     exported = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
     moved = time_moves(tiles, exported, timing, DENSE_TIME_ROUNDS, DENSE_WIDTH)
-    priced = []  # (assignment, its plan, its layer seconds) of each distinct candidate
-    ops_cache = {}  # the candidates share most ranks' plans: each distinct rank plan's op lists built once
-    for candidate in (start, exported, moved):
-        if not any(np.array_equal(candidate, seen) for seen, _, _ in priced):
-            plan = build_exchange_plan(tiles, candidate, timing)
-            priced.append((candidate, plan, layer_seconds(plan, timing, ops_cache)))
-    assignment, plan, _ = min(priced, key=lambda c: c[2])  # min keeps the first of equal times
+    assignment, plan = fastest_layer(tiles, (start, exported, moved), timing)
     if assignment is not start:
         comm = assignment_comm_bytes(tiles, assignment)
     return assignment, cap, fallbacks, comm, plan
+
+
+PRICE_FIRST = 1  # the candidate priced first: the node export, fastest on 23 of 24 real pools (docs/exchange.md)
+_BOUND_MARGIN = 1e-9  # a bound rules a candidate out only above the best by more than rounding
+
+
+def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first: int = PRICE_FIRST):
+    """(assignment, its plan) of the candidate whose whole layer is fastest (``layer_seconds``), ties the earliest
+    in ``candidates``. Equal candidates are priced once. ``candidates[price_first]`` is priced first; every other is
+    priced only as far as it can still win (the same choice as pricing all, cheaper): it is ruled out, unpriced,
+    when its kernels alone -- the busiest worker's hosted pair-heads at ``plan.model.kernel_floor_per_pair``, no
+    plan built -- take longer than the best layer so far, and after its forward when that forward plus its
+    backward kernels do. A rank's seconds in a phase are never below its kernels (``kernel_floor_per_pair``), so
+    a candidate ruled out is slower than the one kept; under a calibration nothing is ruled out."""
+    distinct = []  # the first of equal candidates
+    for i, candidate in enumerate(candidates):
+        if not any(np.array_equal(candidate, candidates[j]) for j in distinct):
+            distinct.append(i)
+    first = next(j for j in distinct if np.array_equal(candidates[j], candidates[price_first]))
+    floor = kernel_floor_per_pair(timing)
+    ops_cache = {}  # the candidates share most ranks' plans: each distinct rank plan's op lists built once
+    best = None  # (layer seconds, index, assignment, plan)
+    for i in [first] + [j for j in distinct if j != first]:
+        candidate = candidates[i]
+        fwd_floor = bwd_floor = 0.0
+        if floor is not None:
+            busiest = float(worker_loads(tiles, candidate).max())
+            fwd_floor, bwd_floor = busiest * floor[0], busiest * floor[1]
+        if best is not None and fwd_floor + bwd_floor > best[0] * (1 + _BOUND_MARGIN):
+            continue
+        plan = build_exchange_plan(tiles, candidate, timing)
+        pricing = LayerPricing(plan, timing, "arranged", cache=ops_cache)
+        forward = pricing.phase("forward").seconds.max()
+        if best is not None and forward + bwd_floor > best[0] * (1 + _BOUND_MARGIN):
+            continue
+        seconds = float(forward + pricing.phase("backward").seconds.max())
+        if best is None or (seconds, i) < best[:2]:
+            best = (seconds, i, candidate, plan)
+    return best[2], best[3]
 
 
 def layer_seconds(plan, timing: StepTimeModel, ops_cache=None) -> float:
     """Seconds of an exchange plan's attention layer: the slowest worker's forward plus the slowest worker's
     backward, every rank's op list priced with peers coupled (``plan.exchange.plan_layer_timing``, save mode
     ARRANGED: what ``save_mode=auto`` keeps whenever it fits), the figure the simulator reports per pool.
-    ``ops_cache``: op lists already built for other candidates of the pool (``plan.exchange.schedule.layer_ops``)."""
+    ``ops_cache``: op lists already built for other candidates of the pool (``plan.exchange.op_lists.phase_ops``)."""
     layer = plan_layer_timing(plan, timing, "arranged", cache=ops_cache)
     return float(layer.forward.seconds.max() + layer.backward.seconds.max())
 
