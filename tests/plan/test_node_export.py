@@ -218,8 +218,34 @@ def test_the_choice_is_the_fully_priced_fastest_whoever_is_priced_first_and_boun
         distinct = {tuple(a.tolist()) for a in candidates}
         for first in range(len(candidates)):
             priced.clear()
-            assignment, plan = placement.fastest_layer(tiles, candidates, model, first)
+            assignment, plan = placement.fastest_layer(tiles, candidates, model, first, relay_check=False)
             assert np.array_equal(assignment, candidates[best])
             assert plan.fingerprint == plans[best].fingerprint
             skipped += 2 * len(distinct) - len(priced)
     assert skipped > 0
+
+
+def test_the_relay_is_kept_only_where_the_whole_layer_prices_it_faster(real_pools):
+    """DENSE keeps its assignment's relay plan (K/V relayed between nodes, chosen by the forward Pipeliner) unless
+    the same assignment's direct plan prices a faster whole layer; the direct plan is priced where the Pipeliner
+    prices it within ``placement.RELAY_RECHECK`` of the relay plan. Priced again here, plan by plan: on these pools
+    the layer keeps the relay somewhere and drops it somewhere (linux: the relay hop's waits cost more than its
+    bytes save)."""
+    from libra_megatron.plan.exchange import plan_worker_seconds
+
+    model, pools = real_pools
+    kept = []
+    for tiles, tau, *_ in pools:
+        dense = place_tiles(tiles, tau, TilePlacement.DENSE, timing=model)
+        relay = build_exchange_plan(tiles, dense.assignment, model)
+        expected = relay
+        if relay.relay_units is not None:
+            direct = build_exchange_plan(tiles, dense.assignment, dataclasses.replace(model, kv_relay=False))
+            assert direct.relay_units is None
+            ratio = plan_worker_seconds(direct, model).max() / plan_worker_seconds(relay, model).max()
+            layers = [_layer_seconds(plan_layer_timing(p, model, "arranged")) for p in (relay, direct)]
+            if ratio <= placement.RELAY_RECHECK and layers[1] < layers[0]:
+                expected = direct
+        assert dense.exchange.fingerprint == expected.fingerprint
+        kept.append(dense.exchange.relay_units is not None)
+    assert any(kept) and not all(kept), kept

@@ -16,6 +16,7 @@ equals the sum of Eq. 8 along Algorithm 2.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -24,7 +25,7 @@ import numpy as np
 from ...config import TilePlacement
 from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
-from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_layer_timing
+from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_layer_timing, plan_worker_seconds
 from ..model import StepTimeModel, kernel_floor_per_pair
 from .node_export import export_dense_first
 from .tiles import TileSet
@@ -184,17 +185,25 @@ def _dense_candidates(tiles: TileSet, tau: float, tile_cost, timing: StepTimeMod
 
 
 PRICE_FIRST = 1  # the candidate priced first: the node export, fastest on 23 of 24 real pools (docs/exchange.md)
+RELAY_RECHECK = 1.10  # the direct plan of a relaying winner is priced within this Pipeliner ratio of it
 _BOUND_MARGIN = 1e-9  # a bound rules a candidate out only above the best by more than rounding
 
 
-def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first: int = PRICE_FIRST):
+def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first: int = PRICE_FIRST,
+                  relay_check: bool = True):
     """(assignment, its plan) of the candidate whose whole layer is fastest (``layer_seconds``), ties the earliest
     in ``candidates``. Equal candidates are priced once. ``candidates[price_first]`` is priced first; every other is
     priced only as far as it can still win (the same choice as pricing all, cheaper): it is ruled out, unpriced,
     when its kernels alone -- the busiest worker's hosted pair-heads at ``plan.model.kernel_floor_per_pair``, no
     plan built -- take longer than the best layer so far, and after its forward when that forward plus its
     backward kernels do. A rank's seconds in a phase are never below its kernels (``kernel_floor_per_pair``), so
-    a candidate ruled out is slower than the one kept; under a calibration nothing is ruled out."""
+    a candidate ruled out is slower than the one kept; under a calibration nothing is ruled out.
+
+    The relay, too, is kept by the whole layer: when the kept plan relays K/V (``timing.kv_relay``, chosen by the
+    forward Pipeliner per worker in ``plan.exchange.relay.choose_relay``), the same assignment's direct plan
+    replaces it if its layer is faster; it is priced only when the Pipeliner prices it within ``RELAY_RECHECK`` of
+    the relay plan (docs/exchange.md: beyond that the layer never preferred it). ``relay_check=False``: the
+    candidates' plans as built."""
     distinct = []  # the first of equal candidates
     for i, candidate in enumerate(candidates):
         if not any(np.array_equal(candidate, candidates[j]) for j in distinct):
@@ -202,23 +211,31 @@ def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first
     first = next(j for j in distinct if np.array_equal(candidates[j], candidates[price_first]))
     floor = kernel_floor_per_pair(timing)
     ops_cache = {}  # the candidates share most ranks' plans: each distinct rank plan's op lists built once
-    best = None  # (layer seconds, index, assignment, plan)
-    for i in [first] + [j for j in distinct if j != first]:
-        candidate = candidates[i]
+    best = None  # (layer seconds, rank for ties, assignment, plan)
+
+    def consider(rank: tuple, candidate, plan=None) -> None:
+        nonlocal best
         fwd_floor = bwd_floor = 0.0
         if floor is not None:
             busiest = float(worker_loads(tiles, candidate).max())
             fwd_floor, bwd_floor = busiest * floor[0], busiest * floor[1]
         if best is not None and fwd_floor + bwd_floor > best[0] * (1 + _BOUND_MARGIN):
-            continue
-        plan = build_exchange_plan(tiles, candidate, timing)
+            return
+        plan = build_exchange_plan(tiles, candidate, timing) if plan is None else plan
         pricing = LayerPricing(plan, timing, "arranged", cache=ops_cache)
         forward = pricing.phase("forward").seconds.max()
         if best is not None and forward + bwd_floor > best[0] * (1 + _BOUND_MARGIN):
-            continue
+            return
         seconds = float(forward + pricing.phase("backward").seconds.max())
-        if best is None or (seconds, i) < best[:2]:
-            best = (seconds, i, candidate, plan)
+        if best is None or (seconds, rank) < best[:2]:
+            best = (seconds, rank, candidate, plan)
+
+    for i in [first] + [j for j in distinct if j != first]:
+        consider((i, 0), candidates[i])
+    if relay_check and timing.kv_relay and best[3].relay_units is not None:  # the relay plan first: ties keep it (fewer bytes)
+        direct = build_exchange_plan(tiles, best[2], dataclasses.replace(timing, kv_relay=False))
+        if plan_worker_seconds(direct, timing).max() <= RELAY_RECHECK * plan_worker_seconds(best[3], timing).max():
+            consider((best[1][0], 1), best[2], direct)
     return best[2], best[3]
 
 
