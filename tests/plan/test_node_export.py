@@ -197,8 +197,8 @@ def test_kernel_floor_is_below_every_ranks_kernels_and_its_layer(real_pools):
                 assert (hosted * per_pair <= kernels * (1 + 1e-12)).all()
                 assert (kernels <= hosted * per_pair * 1.02 + 1e-3).all()
                 assert (hosted * per_pair <= timing.seconds * (1 + 1e-12)).all()
-    assert kernel_floor_per_pair(dataclasses.replace(model, calibration=KernelFit("synthetic", 128, PhaseFit(30.0, 4.0, 25.0, 128.0),
-                                                                                PhaseFit(120.0, 3.0, 9.0, 32.0)))) is None
+    fit = KernelFit("synthetic", 128, PhaseFit(30.0, 4.0, 25.0, 128.0), PhaseFit(120.0, 3.0, 9.0, 32.0))
+    assert kernel_floor_per_pair(dataclasses.replace(model, calibration=fit)) is None
 
 
 def test_the_choice_is_the_fully_priced_fastest_whoever_is_priced_first_and_bounds_skip_work(real_pools, monkeypatch):

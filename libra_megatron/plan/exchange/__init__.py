@@ -23,14 +23,15 @@ from .relay import RELAY_SENDER_CUTS
 from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables
 from .op_lists import LayerOps, layer_ops, phase_ops
 from .schedule import SAVE_MODES, entry_pairs, rank_layer_ops
-from .traffic import (LayerPricing, LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic, plan_worker_seconds,
-                      traffic_of_units)
+from .traffic import (LayerPricing, LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic,
+                      plan_worker_seconds, traffic_of_units)
 from .validate import validate_plan
 
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
            "RELAY_SENDER_CUTS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
            "rank_tables",
-           "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "phase_ops", "rank_layer_ops", "LayerPricing", "LayerTiming", "plan_layer_timing",
+           "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "phase_ops", "rank_layer_ops", "LayerPricing",
+           "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",
            "validate_plan"]

@@ -25,14 +25,14 @@ import numpy as np
 from ...config import TilePlacement
 from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
-from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_layer_timing, plan_worker_seconds
+from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_worker_seconds
 from ..model import StepTimeModel, kernel_floor_per_pair
 from .node_export import export_dense_first
 from .tiles import TileSet
 from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, refine_for_time, time_moves
 
 __all__ = ["TilePlacementResult", "place_tiles", "reads_timing", "assignment_comm_bytes", "worker_loads",
-           "layer_seconds", "fastest_layer"]
+           "fastest_layer"]
 
 _MAX_REFINE_STEPS_PER_WORKER = 4  # REFINED stops after 4*W accepted moves/swaps
 
@@ -164,7 +164,7 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     """ALG2, its ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, and ``DENSE_TIME_ROUNDS``
     rounds of time-aware moves from the export (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``): of the
-    three, the one whose whole layer is fastest (``layer_seconds``), ties keeping the earlier. Returns the placer
+    three, the one whose whole layer is fastest (``fastest_layer``), ties keeping the earlier. Returns the placer
     tuple plus the winner's plan.
 
     Issue 24: the candidates were kept by the forward-only timeline (``plan_worker_seconds``), which underprices
@@ -191,8 +191,10 @@ _BOUND_MARGIN = 1e-9  # a bound rules a candidate out only above the best by mor
 
 def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first: int = PRICE_FIRST,
                   relay_check: bool = True):
-    """(assignment, its plan) of the candidate whose whole layer is fastest (``layer_seconds``), ties the earliest
-    in ``candidates``. Equal candidates are priced once. ``candidates[price_first]`` is priced first; every other is
+    """(assignment, its plan) of the candidate whose whole layer is fastest, ties the earliest in ``candidates``. The
+    whole layer: the slowest worker's forward plus the slowest worker's backward, every rank's op list priced with
+    peers coupled (``plan.exchange.LayerPricing``, save mode ARRANGED: what ``save_mode=auto`` keeps whenever it
+    fits), the figure the simulator reports per pool. Equal candidates are priced once. ``candidates[price_first]`` is priced first; every other is
     priced only as far as it can still win (the same choice as pricing all, cheaper): it is ruled out, unpriced,
     when its kernels alone -- the busiest worker's hosted pair-heads at ``plan.model.kernel_floor_per_pair``, no
     plan built -- take longer than the best layer so far, and after its forward when that forward plus its
@@ -232,20 +234,11 @@ def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first
 
     for i in [first] + [j for j in distinct if j != first]:
         consider((i, 0), candidates[i])
-    if relay_check and timing.kv_relay and best[3].relay_units is not None:  # the relay plan first: ties keep it (fewer bytes)
+    if relay_check and timing.kv_relay and best[3].relay_units is not None:  # ties keep the relay (fewer bytes)
         direct = build_exchange_plan(tiles, best[2], dataclasses.replace(timing, kv_relay=False))
         if plan_worker_seconds(direct, timing).max() <= RELAY_RECHECK * plan_worker_seconds(best[3], timing).max():
             consider((best[1][0], 1), best[2], direct)
     return best[2], best[3]
-
-
-def layer_seconds(plan, timing: StepTimeModel, ops_cache=None) -> float:
-    """Seconds of an exchange plan's attention layer: the slowest worker's forward plus the slowest worker's
-    backward, every rank's op list priced with peers coupled (``plan.exchange.plan_layer_timing``, save mode
-    ARRANGED: what ``save_mode=auto`` keeps whenever it fits), the figure the simulator reports per pool.
-    ``ops_cache``: op lists already built for other candidates of the pool (``plan.exchange.op_lists.phase_ops``)."""
-    layer = plan_layer_timing(plan, timing, "arranged", cache=ops_cache)
-    return float(layer.forward.seconds.max() + layer.backward.seconds.max())
 
 
 _PLACERS: Dict[TilePlacement, Callable[..., tuple]] = {
@@ -277,7 +270,7 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
     DENSE: ALG2, its dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes, and
     ``DENSE_TIME_ROUNDS`` rounds of TIME's moves from the export: the one whose whole layer (forward + backward,
-    peers coupled: ``layer_seconds``) is fastest under ``timing``; never slower than ALG2 under that model.
+    peers coupled: ``fastest_layer``) is fastest under ``timing``; never slower than ALG2 under that model.
     """
     method = TilePlacement(method)
     if timing is not None and method not in _TIMED:
