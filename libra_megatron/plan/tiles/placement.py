@@ -194,12 +194,13 @@ def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first
     """(assignment, its plan) of the candidate whose whole layer is fastest, ties the earliest in ``candidates``. The
     whole layer: the slowest worker's forward plus the slowest worker's backward, every rank's op list priced with
     peers coupled (``plan.exchange.LayerPricing``, save mode ARRANGED: what ``save_mode=auto`` keeps whenever it
-    fits), the figure the simulator reports per pool. Equal candidates are priced once. ``candidates[price_first]`` is priced first; every other is
-    priced only as far as it can still win (the same choice as pricing all, cheaper): it is ruled out, unpriced,
-    when its kernels alone -- the busiest worker's hosted pair-heads at ``plan.model.kernel_floor_per_pair``, no
-    plan built -- take longer than the best layer so far, and after its forward when that forward plus its
-    backward kernels do. A rank's seconds in a phase are never below its kernels (``kernel_floor_per_pair``), so
-    a candidate ruled out is slower than the one kept; under a calibration nothing is ruled out.
+    fits), the figure the simulator reports per pool. Equal candidates are priced once. ``candidates[price_first]``
+    is priced first; every other is priced only as far as it can still win (the same choice as pricing all,
+    cheaper): it is ruled out, unpriced, when its kernels alone -- the busiest worker's hosted pair-heads at
+    ``plan.model.kernel_floor_per_pair``, no plan built -- take longer than the best layer so far, and after its
+    forward when that forward plus its backward kernels do. A rank's seconds in a phase are never below its kernels
+    (``kernel_floor_per_pair``), so a candidate ruled out is slower than the one kept; under a calibration nothing is
+    ruled out.
 
     The relay, too, is kept by the whole layer: when the kept plan relays K/V (``timing.kv_relay``, chosen by the
     forward Pipeliner per worker in ``plan.exchange.relay.choose_relay``), the same assignment's direct plan
