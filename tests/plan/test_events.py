@@ -65,13 +65,43 @@ def test_exchanges_on_one_communicator_run_in_issue_order():
 
 
 def test_the_relay_communicator_shares_the_link():
-    """A relay exchange issued at 0 next to a pool exchange starts when the link is free (not at 0), but it
-    does not wait for the pool exchange's collective latency (another communicator)."""
+    """A relay exchange issued at 0 next to a pool exchange in the same link class starts when that link is free
+    (not at 0), but it does not wait for the pool exchange's collective latency (another communicator)."""
     B = 1000
     ops = [[Exchange("pool", 0, *_swap(r, B)), Exchange("relay", 0, *_swap(r, B)), Wait("relay", 0),
             Wait("pool", 0)] for r in range(2)]
     t = price_ops(ops, _model())
     assert np.allclose(t.seconds, B / 1e9 + 3 * US + _x(B))  # the link is busy for the bytes, not the alpha
+
+
+def test_a_relay_hop_inside_a_node_runs_beside_an_inter_node_dispatch():
+    """Nodes {0, 1}, {2, 3}. A pool exchange between ranks 0 and 2 (inter-node) and a relay exchange between ranks
+    0 and 1 (intra-node), both issued at 0: the relay's bytes go over NVLink while the dispatch's go over the NIC,
+    so the relay ends after its own transfer, not after the dispatch's (one shared link would add B / 0.5 GB/s)."""
+    B = 1000
+    pool = [((0, 0, B, 0), (0, 0, B, 0)), ((0,) * 4, (0,) * 4), ((B, 0, 0, 0), (B, 0, 0, 0)), ((0,) * 4, (0,) * 4)]
+    relay = [((0, B, 0, 0), (0, B, 0, 0)), ((B, 0, 0, 0), (B, 0, 0, 0)), ((0,) * 4, (0,) * 4), ((0,) * 4, (0,) * 4)]
+    ops = [[Exchange("pool", 0, *pool[r]), Exchange("relay", 0, *relay[r]), Wait("relay", 0), Wait("pool", 0)]
+           for r in range(4)]
+    t = price_ops(ops, _model())
+    inter = 3 * US + _x(B, alpha=2.0, gbps=0.5)
+    assert np.isclose(t.seconds[1], 3 * US + _x(B))  # rank 1 only relays
+    assert np.isclose(t.seconds[2], inter) and np.isclose(t.seconds[0], inter)
+    assert np.allclose(t.link, [B / 0.5e9 + B / 1e9, B / 1e9, B / 0.5e9, 0.0])  # per exchange, its slower class
+
+
+def test_exchanges_are_played_in_the_order_they_begin():
+    """Two pool exchanges issued at 0 (the second begins when the first ends, at 5 us) and a relay exchange
+    issued at 1 us: the relay begins first, so it runs at 1-6 us, and the second pool exchange after it does not
+    delay it (played in issue order, the queued pool exchange would hold the link until 6 us and the relay end
+    at 11 us)."""
+    B = 1000  # 1 us at 1 GB/s, + 1 us alpha, + 3 us per call: 5 us an exchange
+    ops = [[Exchange("pool", 0, *_swap(r, B)), Exchange("pool", 1, *_swap(r, B)), Kernel("fwd", 1, 1, 1, 1, 1),
+            Exchange("relay", 0, *_swap(r, B)), Wait("relay", 0), Kernel("fwd", 1, 10, 10, 10, 1), Wait("pool", 1),
+            Wait("pool", 0)] for r in range(2)]
+    t = price_ops(ops, _model())
+    assert np.allclose(t.seconds, 16 * US)  # relay ends at 6 us, then 10 us of compute; pool 1 ends at 10 us
+    assert np.allclose(t.compute, 11 * US)
 
 
 def test_inter_node_bytes_and_alpha_and_self_copy():

@@ -120,7 +120,7 @@ def _uncached_timeline(monkeypatch):
 
     def link_seconds(self, send):
         return (events.message_done_seconds(send, self.nodes, self.model),
-                events.exchange_link_seconds(send, self.nodes, self.model))
+                events.exchange_class_seconds(send, self.nodes, self.model))
 
     monkeypatch.setattr(events._Timeline, "link_seconds", link_seconds)
     monkeypatch.setattr(events._Collective, "row", lambda self, sizes: sizes)

@@ -5,23 +5,27 @@ played on an event timeline with the peers coupled.
 Pure numpy. Per rank, two kinds of resource:
     compute stream   kernels and index copies run one after another, in list order; a ``Wait`` holds the
                      stream until that exchange has ended *on this rank*
-    link             one per rank, shared by both communicators (the pool group and the relay's twin): an
-                     exchange occupies it from its start for its own transfer time
-Exchanges on one communicator run in issue order (NCCL's FIFO per communicator): exchange c of a rank starts at
-    b = max(issued, the rank's previous exchange on the communicator ended, the rank's link free)
-where ``issued`` is the compute stream's time when it was issued (its send buffer is gathered by then). A
-transfer from s to d occupies s's egress and d's ingress, and it starts only when both have reached the
-exchange (max(b_s, b_d)). Inside one exchange the transfers share each rank's links max-min fairly (NCCL
-interleaves its peers' chunks): the message s -> d of ``n`` bytes, in link class k (intra-node or inter-node),
-is done after
+    links            two per rank, one per link class: intra-node (NVLink) and inter-node (the NIC), each shared
+                     by both communicators (the pool group and the relay's twin); an exchange occupies each class
+                     from its start in that class for its own transfer time in it
+Exchanges on one communicator run in issue order (NCCL's FIFO per communicator): exchange c of a rank begins at
+    a = max(issued, the rank's previous exchange on the communicator ended)
+(its kernel runs; ``issued`` is the compute stream's time when it was issued, its send buffer gathered by then),
+and its transfers in class k start at b_k = max(a, the rank's class-k link free). A transfer from s to d occupies
+s's egress and d's ingress, and it starts only when both have reached the exchange (max(b_k,s, b_k,d)). Inside
+one exchange the transfers share each rank's links max-min fairly (NCCL interleaves its peers' chunks): the
+message s -> d of ``n`` bytes, in link class k (intra-node or inter-node), is done after
     max( sum over s's messages p in class k of min(bytes s -> p, n),
          sum over d's incoming messages q in class k of min(bytes q -> d, n) ) / bandwidth_k  +  alpha_msg_k
 so a receive cannot finish before its sender has sent (a sender busy with larger messages delays it), and a
 small message is not held up by a large one. Exchange c ends on rank r at
-    end_r = alpha_call + max( b_r + self copy,  every message r sends or receives done )
-The self segment is copied at the copy rate (read + write). The link stays busy for
-x_r = max over classes of max(bytes sent, bytes received) / bandwidth (the other communicator waits for it).
-Costs of the
+    end_r = alpha_call + max( a_r + self copy,  every message r sends or receives done )
+The self segment is copied at the copy rate (read + write). Class k's link stays busy for
+x_k,r = max(bytes sent, bytes received in class k) / bandwidth_k (an exchange of the other communicator waits for
+it in that class only: the relay's intra-node hop runs beside a dispatch's inter-node transfers, on the relay's
+own NCCL communicator and stream). Exchanges are played in the order they begin (the smallest max over ranks of
+``a``; ties by communicator name), so an exchange that begins late, queued behind its communicator's earlier
+ones, does not hold a link before one of the other communicator that begins sooner. Costs of the
 compute stream: a kernel call is a launch plus its FLOPs (4 d x pairs x heads forward, times
 ``BACKWARD_FLOPS_FACTOR`` backward) at ``StepTimeModel.call_seconds``' rate, plus ``kernel_entry_us`` per varlen
 entry (0 on a GPU; the CPU fit's per-entry loop); a copy is a launch plus
@@ -29,8 +33,8 @@ entry (0 on a GPU; the CPU fit's per-entry loop); a copy is a launch plus
 "widen", cat / fill / narrowing cast "elementwise": measured apart, ``plan.model.rates``); calls with nothing to do
 cost nothing.
 
-What is not modelled: transfers of two exchanges in flight at once sharing bandwidth (the second waits for
-the first's link time instead), NVLink / InfiniBand contention between pools and with other parallelisms'
+What is not modelled: transfers of two exchanges in flight at once in one link class sharing its bandwidth (the
+second waits for the first's link time in that class instead), NVLink / InfiniBand contention between pools and with other parallelisms'
 traffic, host-side launch gaps (the host is assumed ahead of the device), and stream priorities.
 """
 from __future__ import annotations
@@ -45,7 +49,7 @@ from .ops import COPY_KINDS, Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
 __all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds",
-           "exchange_link_seconds", "kernel_floor_per_pair"]
+           "exchange_link_seconds", "exchange_class_seconds", "kernel_floor_per_pair"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,15 +147,21 @@ def message_done_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarr
 
 
 def exchange_link_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
-    """float64 [W]: how long each rank's link is busy with one exchange: per class max(bytes sent, bytes
-    received) at the class bandwidth, the slower class."""
+    """float64 [W]: how long each rank's links are busy with one exchange: per class max(bytes sent, bytes
+    received) at the class bandwidth, the slower class (``exchange_class_seconds``' max)."""
+    return exchange_class_seconds(send, nodes, model).max(axis=0)
+
+
+def exchange_class_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
+    """float64 [2, W]: how long each rank's intra-node (row 0) and inter-node (row 1) link is busy with one
+    exchange: max(bytes sent, bytes received) in that class at the class bandwidth."""
     W = send.shape[0]
     same = nodes[:, None] == nodes[None, :]
     off = ~np.eye(W, dtype=bool)
-    out = np.zeros(W)
-    for mask, gbps in ((same & off, model.intra_node_gbps), (~same, model.inter_node_gbps)):
+    out = np.zeros((2, W))
+    for k, (mask, gbps) in enumerate(((same & off, model.intra_node_gbps), (~same, model.inter_node_gbps))):
         S = np.where(mask, send, 0.0)
-        out = np.maximum(out, np.maximum(S.sum(axis=1), S.sum(axis=0)) / (gbps * GB))
+        out[k] = np.maximum(S.sum(axis=1), S.sum(axis=0)) / (gbps * GB)
     return out
 
 
@@ -197,7 +207,8 @@ class _Timeline:
         self.t = [0.0] * self.W
         self.busy = [0.0] * self.W
         self.link_busy = np.zeros(self.W)
-        self.link_free = np.zeros(self.W)
+        self.link_free = np.zeros((2, self.W))  # per link class: intra-node (NVLink), inter-node (the NIC)
+        self.same_node = nodes[:, None] == nodes[None, :]
         self.pending: Dict[Tuple[str, int], _Collective] = {}
         self.ends: Dict[Tuple[str, int], np.ndarray] = {}
         self.comm_free: Dict[str, np.ndarray] = {}
@@ -241,36 +252,41 @@ class _Timeline:
         for comm, seq in self.next_seq.items():
             coll = self.pending.get((comm, seq))
             if coll is not None and coll.count == self.W:
-                ready.append((float(np.max(coll.issued)), comm, seq))
+                free = self.comm_free.get(comm)
+                begins = coll.issued if free is None else np.maximum(coll.issued, free)
+                ready.append((float(np.max(begins)), comm, seq))
         if not ready:
             return False
         _, comm, seq = min(ready)
         coll = self.pending.pop((comm, seq))
         coll.check((comm, seq))
         free = self.comm_free.setdefault(comm, np.zeros(self.W))
-        start = np.maximum(np.maximum(coll.issued, free), self.link_free)
+        ready = np.maximum(coll.issued, free)  # its kernel runs: issued, and the communicator's previous one ended
+        start = np.maximum(ready[None, :], self.link_free)  # [class, rank]: that link is free too
         done, x = self.link_seconds(coll.send)
         moves = done > 0
-        both = np.maximum(start[:, None], start[None, :]) + done  # [s, d]: message s -> d done
+        pair_start = np.where(self.same_node, np.maximum(start[0][:, None], start[0][None, :]),
+                              np.maximum(start[1][:, None], start[1][None, :]))
+        both = pair_start + done  # [s, d]: message s -> d done
         last = np.maximum(np.where(moves, both, -np.inf).max(axis=1, initial=-np.inf),
                           np.where(moves, both, -np.inf).max(axis=0, initial=-np.inf))
-        own = start + 2.0 * np.diagonal(coll.send) / (self.model.copy_gbps * GB)  # the self segment
+        own = ready + 2.0 * np.diagonal(coll.send) / (self.model.copy_gbps * GB)  # the self segment
         end = self.model.collective_us * US + np.maximum(own, last)
         self.ends[(comm, seq)] = end
         self.comm_free[comm] = end
-        self.link_free = start + x
-        self.link_busy += x
+        self.link_free = np.where(x > 0, start + x, self.link_free)  # a class an exchange does not use stays free
+        self.link_busy += x.max(axis=0)
         self.next_seq[comm] = seq + 1
         return True
 
     def link_seconds(self, send: np.ndarray) -> tuple:
-        """(``message_done_seconds``, ``exchange_link_seconds``) of one send matrix, computed once per distinct
+        """(``message_done_seconds``, ``exchange_class_seconds``) of one send matrix, computed once per distinct
         matrix: a layer's exchanges repeat a few routes' sizes (Q, dO, O and dQ share one)."""
         key = send.tobytes()
         out = self.links.get(key)
         if out is None:
             out = self.links[key] = (message_done_seconds(send, self.nodes, self.model),
-                                     exchange_link_seconds(send, self.nodes, self.model))
+                                     exchange_class_seconds(send, self.nodes, self.model))
         return out
 
     def run(self) -> PhaseTiming:
