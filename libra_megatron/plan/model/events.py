@@ -34,8 +34,9 @@ entry (0 on a GPU; the CPU fit's per-entry loop); a copy is a launch plus
 cost nothing.
 
 What is not modelled: transfers of two exchanges in flight at once in one link class sharing its bandwidth (the
-second waits for the first's link time in that class instead), NVLink / InfiniBand contention between pools and with other parallelisms'
-traffic, host-side launch gaps (the host is assumed ahead of the device), and stream priorities.
+second waits for the first's link time in that class instead), NVLink / InfiniBand contention between pools and
+with other parallelisms' traffic (NCCL's PXN routing of inter-node bytes over NVLink included), host-side launch
+gaps (the host is assumed ahead of the device), and stream priorities.
 """
 from __future__ import annotations
 
@@ -247,17 +248,18 @@ class _Timeline:
         return i > start
 
     def resolve_one(self) -> bool:
-        """End the next exchange of the communicator whose next exchange every rank has issued earliest."""
-        ready = []
+        """End, of the communicators' next exchanges that every rank has issued, the one that begins earliest (the
+        max over ranks of max(issued, the communicator's previous exchange ended); module docstring)."""
+        candidates = []
         for comm, seq in self.next_seq.items():
             coll = self.pending.get((comm, seq))
             if coll is not None and coll.count == self.W:
                 free = self.comm_free.get(comm)
                 begins = coll.issued if free is None else np.maximum(coll.issued, free)
-                ready.append((float(np.max(begins)), comm, seq))
-        if not ready:
+                candidates.append((float(np.max(begins)), comm, seq))
+        if not candidates:
             return False
-        _, comm, seq = min(ready)
+        _, comm, seq = min(candidates)
         coll = self.pending.pop((comm, seq))
         coll.check((comm, seq))
         free = self.comm_free.setdefault(comm, np.zeros(self.W))
