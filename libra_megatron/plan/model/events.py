@@ -49,8 +49,8 @@ from .kernel_fit import KernelFit
 from .ops import COPY_KINDS, Copy, Exchange, Kernel, Wait
 from .rates import BACKWARD_FLOPS_FACTOR, GB, US
 
-__all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds",
-           "exchange_link_seconds", "exchange_class_seconds", "kernel_floor_per_pair"]
+__all__ = ["PhaseTiming", "price_ops", "OpCosts", "message_done_seconds", "exchange_class_seconds",
+           "kernel_floor_per_pair"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,16 +129,20 @@ def _fair_sums(S: np.ndarray) -> np.ndarray:
     return np.take_along_axis(cums, pos, axis=1) + S * (W - 1 - pos)
 
 
+def _link_classes(nodes: np.ndarray, model):
+    """The two link classes of a pool, in the order of ``exchange_class_seconds``' rows: (pair mask [W, W],
+    GB/s, per-message alpha in us) for intra-node (off the diagonal) and inter-node pairs."""
+    same = nodes[:, None] == nodes[None, :]
+    return ((same & ~np.eye(nodes.shape[0], dtype=bool), model.intra_node_gbps, model.intra_message_us),
+            (~same, model.inter_node_gbps, model.inter_message_us))
+
+
 def message_done_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
     """float64 [W, W]: seconds after both ends started until message s -> d of one exchange is done (module
     docstring: max-min fair share of s's egress and d's ingress in its link class, plus its alpha); 0 where
     nothing moves (and on the diagonal)."""
-    W = send.shape[0]
-    same = nodes[:, None] == nodes[None, :]
-    off = ~np.eye(W, dtype=bool)
-    out = np.zeros((W, W))
-    for mask, gbps, alpha in ((same & off, model.intra_node_gbps, model.intra_message_us),
-                              (~same, model.inter_node_gbps, model.inter_message_us)):
+    out = np.zeros(send.shape)
+    for mask, gbps, alpha in _link_classes(nodes, model):
         S = np.where(mask, send, 0.0)
         if not S.any():
             continue
@@ -147,20 +151,11 @@ def message_done_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarr
     return out
 
 
-def exchange_link_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
-    """float64 [W]: how long each rank's links are busy with one exchange: per class max(bytes sent, bytes
-    received) at the class bandwidth, the slower class (``exchange_class_seconds``' max)."""
-    return exchange_class_seconds(send, nodes, model).max(axis=0)
-
-
 def exchange_class_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
     """float64 [2, W]: how long each rank's intra-node (row 0) and inter-node (row 1) link is busy with one
     exchange: max(bytes sent, bytes received) in that class at the class bandwidth."""
-    W = send.shape[0]
-    same = nodes[:, None] == nodes[None, :]
-    off = ~np.eye(W, dtype=bool)
-    out = np.zeros((2, W))
-    for k, (mask, gbps) in enumerate(((same & off, model.intra_node_gbps), (~same, model.inter_node_gbps))):
+    out = np.zeros((2, send.shape[0]))
+    for k, (mask, gbps, _) in enumerate(_link_classes(nodes, model)):
         S = np.where(mask, send, 0.0)
         out[k] = np.maximum(S.sum(axis=1), S.sum(axis=0)) / (gbps * GB)
     return out
