@@ -140,8 +140,11 @@ def _dispatch_kv(cx: _Ctx, k_view, v_view, m: int, kind: str):
 
 
 def _return(cx: _Ctx, arranged, m: int, which: str, kind: str, wire_dtype: torch.dtype):
-    """Send arranged rows home along an inverse route, cast to ``wire_dtype`` (once, after the gather)."""
+    """Send arranged rows home along an inverse route, cast to ``wire_dtype`` once: before the gather when every
+    arranged row goes home (the gather then moves the narrower rows), else after it."""
     idx = getattr(cx.tables.chunks[m], which)
+    if arranged.dtype != wire_dtype and sum(idx.splits.send) == arranged.shape[0]:
+        return start_exchange(arranged.to(wire_dtype).index_select(0, idx.send_rows), idx, cx.group, cx.stats, kind)
     return start_exchange(arranged.index_select(0, idx.send_rows).to(wire_dtype), idx, cx.group, cx.stats, kind)
 
 
@@ -304,11 +307,10 @@ def _bwd_inputs(cx: _Ctx, m: int, dout_view, saved, local):
     return pending
 
 
-def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
-    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), kv_arr, dkv_arr (nkv, 2*kp, d) in
-    ``cx.acc_dtype``: the entries sharing key rows are summed there in fp32). ``kv_arr``/``dkv_arr`` come from
-    the previous chunk when it read the same kv piece (None otherwise): the arranged K|V is reused and its
-    dK|dV keeps accumulating until the piece's last chunk."""
+def _bwd_kernel(cx: _Ctx, pending, saved_m, kv_arr):
+    """Kernel backward of one chunk at the destination: (dq_arr (nq, qp, d), kv_arr, dk_pk, dv_pk (nk, kp, d) at
+    the kernel's dtype, one row per packed key row). ``kv_arr`` comes from the previous chunk when it read the same
+    kv piece (None otherwise): the arranged K|V is reused."""
     if "q" in pending:
         q_arr, o_arr = pending["q"].placed(), pending["o"].placed()
         if "kv" in pending:
@@ -323,18 +325,34 @@ def _bwd_chunk(cx: _Ctx, pending, saved_m, kv_arr, dkv_arr):
     k_pk, v_pk = packed_kv(cx, kv_arr)
     dq_arr, dk_pk, dv_pk = cx.kernel(cx.backend.bwd, do_arr, q_arr, k_pk, v_pk, o_arr, lse, cx.tables.batch, cx.scale,
                                      cx.deterministic)
-    packed = dk_pk.new_empty((dk_pk.shape[0], 2 * dk_pk.shape[1], dk_pk.shape[2]), dtype=cx.acc_dtype)
-    packed[:, : dk_pk.shape[1]].copy_(dk_pk)  # widened straight into the K|V halves: no cat pass
-    packed[:, dk_pk.shape[1] :].copy_(dv_pk)
+    return dq_arr, kv_arr, dk_pk, dv_pk
+
+
+def _widened(cx: _Ctx, dk_pk, dv_pk, rows=None):
+    """(n, 2*kp, d) in ``cx.acc_dtype``: packed dK and dV rows widened into its K and V halves (no cat pass); with
+    ``rows``, only those packed rows, gathered at the kernel's dtype before they are widened."""
+    kp = dk_pk.shape[1]
+    n = dk_pk.shape[0] if rows is None else rows.shape[0]
+    out = dk_pk.new_empty((n, 2 * kp, dk_pk.shape[2]), dtype=cx.acc_dtype)
+    for half, src in ((slice(None, kp), dk_pk), (slice(kp, None), dv_pk)):
+        out[:, half].copy_(src if rows is None else src.index_select(0, rows))
+    return out
+
+
+def _dkv_sums(cx: _Ctx, dk_pk, dv_pk, kv_arr, dkv_arr):
+    """The arranged dK|dV (nkv, 2*kp, d) in ``cx.acc_dtype`` with one chunk's packed dK, dV added: the entries sharing
+    key rows are summed there in fp32. ``dkv_arr`` comes from the previous chunk when it read the same kv piece
+    (None otherwise): its sums keep accumulating until the piece's last chunk."""
     if dkv_arr is None and cx.tables.k_first is not None:  # the piece's first chunk: first rows, the others added
-        dkv_arr = packed.index_select(0, cx.tables.k_first)
+        dkv_arr = _widened(cx, dk_pk, dv_pk, cx.tables.k_first)
         if cx.tables.k_repeat.shape[0]:
-            dkv_arr.index_add_(0, cx.tables.k_repeat_rows, packed.index_select(0, cx.tables.k_repeat))
-        return dq_arr, kv_arr, dkv_arr
+            dkv_arr.index_add_(0, cx.tables.k_repeat_rows, _widened(cx, dk_pk, dv_pk, cx.tables.k_repeat))
+        return dkv_arr
+    packed = _widened(cx, dk_pk, dv_pk)
     if dkv_arr is None:  # some arranged row is no entry's key: the sums start at zero
         dkv_arr = kv_arr.new_zeros(kv_arr.shape, dtype=cx.acc_dtype)
     dkv_arr.index_add_(0, cx.tables.k_gather, packed)
-    return dq_arr, kv_arr, dkv_arr
+    return dkv_arr
 
 
 def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
@@ -355,14 +373,22 @@ def _bwd(cx: _Ctx, dout, saved, local, k_shape: torch.Size):
             relayed.into(dkv_arr)
         return _return(cx, dkv_arr, m, "kv_inv", "dkv", dkv_wire), dkv_local
 
+    def dq_home(dq_arr, m):  # the deferred relay inverse's dK|dV, then dQ
+        returning = [dkv_home(*deferred)] if deferred is not None else []
+        return returning + [(_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), _chunk_rows(dq_view, heads, m))]
+
+    dq_first = cx.tables.relay is None  # without a relay inverse to put first on the link, dQ leaves at once
     for m in range(heads.num_chunks):
         current = incoming
         if m + 1 < heads.num_chunks:
             incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)
-        dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)
+        dq_arr, kv_arr, dk_pk, dv_pk = _bwd_kernel(cx, current, saved[m], kv_arr)
+        if dq_first:  # its rows go home while the chunk's dK|dV are summed
+            returning, deferred = dq_home(dq_arr, m), None
+        dkv_arr = _dkv_sums(cx, dk_pk, dv_pk, kv_arr, dkv_arr)
         relayed = relay_back(cx, dkv_arr) if returns[m] else None  # first: nothing queues ahead of it on the link
-        returning, deferred = [dkv_home(*deferred)] if deferred is not None else [], None
-        returning.append((_return(cx, dq_arr, m, "q_inv", "dq", dout.dtype), _chunk_rows(dq_view, heads, m)))
+        if not dq_first:
+            returning, deferred = dq_home(dq_arr, m), None
         if returns[m]:
             if relayed is not None and heads.relay_inverse_deferred()[m]:  # home after kernel m+1, beside m+2
                 deferred = (relayed, dkv_arr, m)

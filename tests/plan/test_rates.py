@@ -63,6 +63,54 @@ def _op_bytes(H: int, M: int) -> dict:
     return out
 
 
+def _dkv_rows_block(ops, i: int):
+    """Bytes of the first gather when ``ops[i:i + 4]`` gather and widen one row set of packed dK, then of dV
+    (``runtime.libra_attn._widened`` with rows), else None."""
+    four = ops[i:i + 4]
+    if len(four) == 4 and all(isinstance(o, Copy) and o.tag == "dkv" for o in four) and \
+            [o.op for o in four] == ["gather", "widen", "gather", "widen"]:
+        return four[0].nbytes
+    return None
+
+
+def _as_widened_first(ops) -> list:
+    """The runtime now gathers a kv piece's first packed rows (and the others) at the kernel's dtype and widens
+    only those; before, it widened every packed row into fp32 and gathered the sums' rows there: each such block
+    -> the two widening casts of every packed row (3/2 of the bf16 bytes each), a gather of the first rows in
+    fp32 (4x their bf16 half), and of the others with their add (``_as_profiled_sums`` takes it from there)."""
+    out, i = [], 0
+    while i < len(ops):
+        first = _dkv_rows_block(ops, i)
+        if first is None:
+            out.append(ops[i])
+            i += 1
+            continue
+        chunk, i = ops[i].chunk, i + 4
+        repeat = _dkv_rows_block(ops, i)
+        others = [] if repeat is None else [Copy("gather", 4 * repeat, "dkv", chunk), ops[i + 4]]
+        i += 0 if repeat is None else 5
+        rows = first + (repeat or 0)
+        out += [Copy("widen", 3 * rows // 2, "dkv", chunk)] * 2 + [Copy("gather", 4 * first, "dkv", chunk)] + others
+    return out
+
+
+def _as_gathered_first(ops) -> list:
+    """The runtime now casts the fp32 dK|dV sums to the bf16 wire before gathering them when every row goes home;
+    the profiled runtime gathered the fp32 rows first: each cast + gather pair -> the gather of the fp32 rows (twice
+    the bytes), then the same cast."""
+    out, i = [], 0
+    while i < len(ops):
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        if isinstance(op, Copy) and isinstance(nxt, Copy) and (op.op, op.tag, nxt.op, nxt.tag) == \
+                ("elementwise", "dkv", "gather", "dkv") and op.chunk == nxt.chunk and 2 * op.nbytes == 3 * nxt.nbytes:
+            out += [Copy("gather", 2 * nxt.nbytes, "dkv", op.chunk), op]
+            i += 2
+            continue
+        out.append(op)
+        i += 1
+    return out
+
+
 def _as_profiled_sums(ops) -> list:
     """After the widening cast of packed dK|dV: a gather of the first rows (and a gather + add of the others) ->
     the profiled fill of the sums and one add of every packed row."""
@@ -116,8 +164,10 @@ def _as_profiled(ops) -> list:
     into unit order and copies them into the chunk's strided view (the same bytes in two calls): each such
     gather + copy pair counts as the one profiled place. And it started a kv piece's dK|dV sums from zeros (a
     fill of half their bytes) and added every packed row; the runtime now gathers each row's first packed row
-    and adds the others (``_as_profiled_sums``); and it concatenated K and V (``_as_profiled_cats``)."""
-    ops = _as_profiled_sums(_as_profiled_cats(ops))
+    and adds the others (``_as_profiled_sums``), widening only the rows it gathers (``_as_widened_first``); it
+    gathered the dK|dV sums before their cast to the wire (``_as_gathered_first``); and it concatenated K and V
+    (``_as_profiled_cats``)."""
+    ops = _as_profiled_sums(_as_profiled_cats(_as_widened_first(_as_gathered_first(ops))))
     out, i = [], 0
     while i < len(ops):
         op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None

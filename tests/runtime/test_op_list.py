@@ -195,7 +195,7 @@ def reordered_bwd():
     src = textwrap.dedent(inspect.getsource(libra_attn._bwd))
     ahead = ("        if m + 1 < heads.num_chunks:\n"
              "            incoming = _bwd_inputs(cx, m + 1, dout_view, saved, local)\n")
-    compute = "        dq_arr, kv_arr, dkv_arr = _bwd_chunk(cx, current, saved[m], kv_arr, dkv_arr)\n"
+    compute = "        dq_arr, kv_arr, dk_pk, dv_pk = _bwd_kernel(cx, current, saved[m], kv_arr)\n"
     assert ahead + compute in src, "runtime _bwd changed: update the mutation of test_op_list.reordered_bwd"
     namespace = dict(vars(libra_attn))
     exec(compile(src.replace(ahead + compute, compute + ahead), libra_attn.__file__, "exec"), namespace)

@@ -134,10 +134,16 @@ class _Rank:
         self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows, into its V half
         return (self.exchange(sp, self.sz.kv, POOL, tag, m), sp)
 
-    def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int):
-        """``_return``: gather the arranged rows (at their dtype), cast them to the wire dtype, send them."""
-        self.copy("gather", sum(splits.send), row_bytes, tag, m)
-        self.cast(sum(splits.send), row_bytes, wire_bytes, tag, m)
+    def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int, held: int = -1):
+        """``_return``: gather the arranged rows (at their dtype), cast them to the wire dtype, send them; when the
+        dtype changes and the rows sent are all ``held`` arranged rows, cast them first and gather at the wire's."""
+        rows = sum(splits.send)
+        if row_bytes != wire_bytes and rows == held:
+            self.cast(rows, row_bytes, wire_bytes, tag, m)
+            self.copy("gather", rows, wire_bytes, tag, m)
+        else:
+            self.copy("gather", rows, row_bytes, tag, m)
+            self.cast(rows, row_bytes, wire_bytes, tag, m)
         return (self.exchange(splits, wire_bytes, POOL, tag, m), splits)
 
     def _fills(self, tag: str) -> bool:
@@ -358,8 +364,8 @@ def _bwd_inputs(rk: _Rank, m: int, refetch: bool) -> dict:
     return pending
 
 
-def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
-    """``runtime.libra_attn._bwd_chunk``."""
+def _bwd_kernel(rk: _Rank, pending: dict, m: int) -> None:
+    """``runtime.libra_attn._bwd_kernel``."""
     t, sz = rk.t, rk.sz
     if "q" in pending:
         rk.placed(pending["q"], sz.q, "q_bwd", m)
@@ -372,15 +378,29 @@ def _bwd_chunk(rk: _Rank, pending: dict, m: int, fresh: bool) -> None:
     rk.placed(pending["do"], sz.q, "do", m)
     rk.packed_kv(sum(t.k_lens), "kv", m)
     rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
+
+
+def _widened(rk: _Rank, rows: int, gathered: bool, m: int) -> None:
+    """``runtime.libra_attn._widened``: per half (dK, dV), the packed rows (gathered at the kernel's dtype first)
+    copied into the sums' dtype."""
+    sz = rk.sz
+    for _ in "KV":
+        if gathered:
+            rk.copy("gather", rows, sz.k, "dkv", m)
+        rk.copy_into(rows, sz.k, sz.dkv_acc // 2, "dkv", m)
+
+
+def _dkv_sums(rk: _Rank, m: int, fresh: bool) -> None:
+    """``runtime.libra_attn._dkv_sums``; ``fresh``: the chunk starts its kv piece's sums."""
+    t, sz = rk.t, rk.sz
     nk = sum(t.k_lens)
-    for _ in "KV":  # packed dK and dV copied into the halves of the packed dK|dV, in the accumulation dtype
-        rk.copy_into(nk, sz.k, sz.dkv_acc // 2, "dkv", m)
     if fresh and t.kv_rows_read:  # the piece's first chunk: every arranged row's first packed row, the others added
-        rk.copy("gather", t.kv_target_len, sz.dkv_acc, "dkv", m)
+        _widened(rk, t.kv_target_len, True, m)
         if nk > t.kv_target_len:
-            rk.copy("gather", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
+            _widened(rk, nk - t.kv_target_len, True, m)
             rk.copy("add", nk - t.kv_target_len, sz.dkv_acc, "dkv", m)
         return
+    _widened(rk, nk, False, m)
     if fresh:  # some arranged row is no entry's key: the fp32 sums start at zero
         rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
     rk.copy("add", nk, sz.dkv_acc, "dkv", m)
@@ -397,24 +417,32 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         if relayed is not None:
             rk.into(relayed, sz.dkv_acc, True, "relay_back", m)
         # received at the wire dtype, cast to the accumulation dtype, then added: the add reads ``a`` bytes
-        return (rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m), sz.dkv_acc, True, "dkv", m, dkv_wire)
+        return (rk.give_back(t.kv_back_splits, sz.dkv_acc, dkv_wire, "dkv", m, t.kv_target_len), sz.dkv_acc, True,
+                "dkv", m, dkv_wire)
+
+    def dq_home(m):  # ``dq_home``: the deferred relay inverse's dK|dV, then dQ
+        returning = [dkv_home(*deferred)] if deferred is not None else []
+        return returning + [(rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m, sz.q)]
 
     rk.fill(local_rows, sz.dkv_acc, "dkv", -1)  # the home's fp32 sums
     incoming = _bwd_inputs(rk, 0, refetch)
     outgoing, deferred = [], None
+    dq_first = t.relay_back_splits is None  # no relay inverse to put first on the link: dQ leaves at once
     for m in range(M):
         current = incoming
         if m + 1 < M:
             incoming = _bwd_inputs(rk, m + 1, refetch)
-        _bwd_chunk(rk, current, m, fresh=m == 0 or bool(returns[m - 1]))
+        _bwd_kernel(rk, current, m)
+        if dq_first:
+            returning, deferred = dq_home(m), None
+        _dkv_sums(rk, m, fresh=m == 0 or bool(returns[m - 1]))
         relayed = None
         if returns[m] and t.relay_back_splits is not None:  # ``runtime.relay.relay_back``, ahead of the returns
             sp = t.relay_back_splits
             rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
-        returning = [dkv_home(*deferred)] if deferred is not None else []
-        deferred = None
-        returning.append((rk.give_back(t.q_back_splits, sz.q, sz.q, "dq", m), sz.q, False, "dq", m, sz.q))
+        if not dq_first:
+            returning, deferred = dq_home(m), None
         if returns[m]:
             if relayed is not None and heads.relay_inverse_deferred()[m]:  # waited after the next kernel
                 deferred = (relayed, m)

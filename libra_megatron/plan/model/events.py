@@ -119,14 +119,18 @@ def kernel_floor_per_pair(model) -> Optional[Tuple[float, float]]:
 
 def _fair_sums(S: np.ndarray) -> np.ndarray:
     """E[q, r] = sum over p of min(S[q, p], S[q, r]): what q's other messages delay its message to r under
-    max-min fair sharing (ties in any order give the same sums)."""
-    W = S.shape[1]
-    order = np.argsort(S, axis=1, kind="stable")
-    sorted_ = np.take_along_axis(S, order, axis=1)
-    cums = np.cumsum(sorted_, axis=1)
-    pos = np.empty_like(order)
-    np.put_along_axis(pos, order, np.arange(W)[None, :].repeat(S.shape[0], axis=0), axis=1)
-    return np.take_along_axis(cums, pos, axis=1) + S * (W - 1 - pos)
+    max-min fair sharing. Row by row in ascending order, the message at place k is delayed by the k smaller ones
+    and by itself, and by its own size for each of the W - 1 - k larger ones (tied messages get the same sums in
+    either order). Byte counts are whole numbers far below 2**53, so every sum here is exact in float64 in any
+    order: the rows' running sums come from one running sum over the whole array."""
+    n, W = S.shape
+    flat = (np.argsort(S, axis=1) + (np.arange(n) * W)[:, None]).ravel()  # each row ascending, as flat indices
+    ascending = S.ravel()[flat].reshape(n, W)
+    running = np.cumsum(ascending).reshape(n, W)
+    before = np.concatenate([[0.0], running[:-1, -1]])  # the running sum at the end of the previous row
+    out = np.empty(n * W)
+    out[flat] = (running - before[:, None] + ascending * (W - 1 - np.arange(W))).ravel()
+    return out.reshape(n, W)
 
 
 def _link_classes(nodes: np.ndarray, model):
@@ -140,14 +144,15 @@ def _link_classes(nodes: np.ndarray, model):
 def message_done_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.ndarray:
     """float64 [W, W]: seconds after both ends started until message s -> d of one exchange is done (module
     docstring: max-min fair share of s's egress and d's ingress in its link class, plus its alpha); 0 where
-    nothing moves (and on the diagonal)."""
+    nothing moves (and on the diagonal). Both classes' egress and ingress sums in one ``_fair_sums`` call."""
+    W = send.shape[0]
+    classes = _link_classes(nodes, model)
+    S = np.stack([np.where(mask, send, 0.0) for mask, _, _ in classes])  # [class, s, d]
+    sums = _fair_sums(np.concatenate([S, S.transpose(0, 2, 1)]).reshape(4 * W, W)).reshape(4, W, W)
     out = np.zeros(send.shape)
-    for mask, gbps, alpha in _link_classes(nodes, model):
-        S = np.where(mask, send, 0.0)
-        if not S.any():
-            continue
-        share = np.maximum(_fair_sums(S), _fair_sums(S.T).T)
-        out = np.where(mask & (S > 0), share / (gbps * GB) + alpha * US, out)
+    for k, (mask, gbps, alpha) in enumerate(classes):
+        share = np.maximum(sums[k], sums[2 + k].T)
+        out = np.where(mask & (S[k] > 0), share / (gbps * GB) + alpha * US, out)
     return out
 
 
@@ -162,39 +167,60 @@ def exchange_class_seconds(send: np.ndarray, nodes: np.ndarray, model) -> np.nda
 
 
 class _Collective:
-    """Issue times and byte matrices of one exchange (comm, seq) as its ranks issue it."""
+    """Issue times and byte rows of one exchange (comm, seq) as its ranks issue it; the matrices are built once, when
+    every rank has issued it (``matrices``)."""
 
-    def __init__(self, W: int, rows: Dict[tuple, np.ndarray]):
-        self.rows = rows  # the timeline's byte tuple -> float64 row conversions (equal tuples, one conversion)
-        self.issued = np.full(W, np.nan)
-        self.send = np.zeros((W, W))
-        self.recv = np.zeros((W, W))
+    def __init__(self, W: int, rows: dict):
+        self.rows = rows  # the timeline's byte tuple -> float64 row conversions (one tuple object, one conversion)
+        self.issued = [None] * W
+        self.send_rows = [None] * W
+        self.recv_rows = [None] * W
         self.count = 0
+        self._matrices = None
 
     def add(self, rank: int, when: float, op: Exchange) -> None:
-        if not np.isnan(self.issued[rank]):
+        W = len(self.issued)
+        if self.issued[rank] is not None:
             raise ValueError(f"exchange ({op.comm}, {op.seq}) issued twice by rank {rank}")
-        if len(op.send) != self.send.shape[0] or len(op.recv) != self.send.shape[0]:
+        if len(op.send) != W or len(op.recv) != W:
             raise ValueError(f"exchange ({op.comm}, {op.seq}) of rank {rank} names {len(op.send)} ranks, the pool "
-                             f"has {self.send.shape[0]}")
+                             f"has {W}")
         self.issued[rank], self.count = when, self.count + 1
-        self.send[rank], self.recv[rank] = self.row(op.send), self.row(op.recv)
+        self.send_rows[rank], self.recv_rows[rank] = self.row(op.send), self.row(op.recv)
 
     def row(self, sizes: tuple) -> np.ndarray:
-        row = self.rows.get(sizes)
-        if row is None:
-            row = self.rows[sizes] = np.asarray(sizes, dtype=np.float64)
-        return row
+        """float64 [W] of a byte tuple, converted once per distinct value and found by the tuple's id after that (the
+        op lists share one tuple among the exchanges that repeat a route's sizes; the cache holds the tuple, so its
+        id names no other while cached)."""
+        hit = self.rows.get(id(sizes))
+        if hit is None or hit[0] is not sizes:
+            row = self.rows.get(sizes)
+            if row is None:
+                row = self.rows[sizes] = np.asarray(sizes, dtype=np.float64)
+            hit = self.rows[id(sizes)] = (sizes, row)
+        return hit[1]
 
-    def check(self, key) -> None:
+    def matrices(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(issued float64 [W], send float64 [W, W], recv float64 [W, W]) of a fully issued exchange, built once."""
+        if self._matrices is None:
+            self._matrices = (np.array(self.issued, dtype=np.float64), np.stack(self.send_rows),
+                              np.stack(self.recv_rows))
+        return self._matrices
+
+    @staticmethod
+    def check(key, send: np.ndarray, recv: np.ndarray) -> None:
         """Every rank's receive sizes are what its peers send it (what ``all_to_all_single`` requires)."""
-        if not np.array_equal(self.send, self.recv.T):
-            bad = np.argwhere(self.send != self.recv.T)[0]
-            raise ValueError(f"exchange {key}: rank {bad[0]} sends {self.send[bad[0], bad[1]]:.0f} bytes to rank "
-                             f"{bad[1]}, which expects {self.recv[bad[1], bad[0]]:.0f}")
+        if not np.array_equal(send, recv.T):
+            bad = np.argwhere(send != recv.T)[0]
+            raise ValueError(f"exchange {key}: rank {bad[0]} sends {send[bad[0], bad[1]]:.0f} bytes to rank "
+                             f"{bad[1]}, which expects {recv[bad[1], bad[0]]:.0f}")
 
 
 class _Timeline:
+    """The event timeline of one phase (module docstring). Ranks run their ops as far as they can (``advance``); then
+    the exchange that begins earliest of those every rank has issued ends (``resolve_one``), and only the ranks
+    waiting for it run on: no other rank can, its next op waits for an exchange that has not ended."""
+
     def __init__(self, ops_per_rank: Sequence[Sequence[object]], model, nodes: np.ndarray):
         self.ops = [list(o) for o in ops_per_rank]
         self.W, self.model, self.nodes = len(self.ops), model, nodes
@@ -206,30 +232,37 @@ class _Timeline:
         self.link_free = np.zeros((2, self.W))  # per link class: intra-node (NVLink), inter-node (the NIC)
         self.same_node = nodes[:, None] == nodes[None, :]
         self.pending: Dict[Tuple[str, int], _Collective] = {}
-        self.ends: Dict[Tuple[str, int], np.ndarray] = {}
+        self.ends: Dict[Tuple[str, int], list] = {}  # an ended exchange's end per rank (Python floats)
+        self.waiting: Dict[Tuple[str, int], list] = {}  # ranks stopped at a wait for an exchange not yet ended
         self.comm_free: Dict[str, np.ndarray] = {}
         self.next_seq: Dict[str, int] = {}
-        self.rows: Dict[tuple, np.ndarray] = {}  # ``_Collective.row``
+        self.rows: dict = {}  # ``_Collective.row``: by tuple id and by value
         self.links: Dict[bytes, tuple] = {}  # send matrix bytes -> (message done seconds, link seconds)
 
-    def advance(self, r: int) -> bool:
-        """Run rank r's ops until a wait whose exchange has not ended; whether any op ran."""
-        ops, start, i = self.ops[r], self.ptr[r], self.ptr[r]
+    def advance(self, r: int) -> None:
+        """Run rank r's ops until a wait whose exchange has not ended (the rank then waits for it in ``waiting``)."""
+        ops, i = self.ops[r], self.ptr[r]
         t, busy, costs = self.t[r], self.busy[r], self.costs
+        copy_per_byte, copy_launch = costs.copy_per_byte, costs.copy_launch
         while i < len(ops):
             op = ops[i]
             kind = type(op)
-            if kind is Copy:
-                cost = costs.copy(op)
+            if kind is Copy:  # ``OpCosts.copy``, inline: a layer's lists are mostly copies
+                per_byte = copy_per_byte.get(op.op)
+                if per_byte is None:
+                    costs.copy(op)  # raises: not a copy kind
+                cost = 0.0 if op.nbytes == 0 else copy_launch + op.nbytes * per_byte
                 t, busy = t + cost, busy + cost
             elif kind is Kernel:
                 cost = costs.kernel(op)
                 t, busy = t + cost, busy + cost
             elif kind is Wait:
-                end = self.ends.get((op.comm, op.seq))
+                key = (op.comm, op.seq)
+                end = self.ends.get(key)
                 if end is None:
+                    self.waiting.setdefault(key, []).append(r)
                     break
-                t = max(t, float(end[r]))
+                t = max(t, end[r])
             elif kind is Exchange:
                 coll = self.pending.get((op.comm, op.seq))
                 if coll is None:
@@ -240,41 +273,42 @@ class _Timeline:
                 raise ValueError(f"rank {r}: op {i} is not an op record of plan.model.ops: {op!r}")
             i += 1
         self.ptr[r], self.t[r], self.busy[r] = i, t, busy
-        return i > start
 
-    def resolve_one(self) -> bool:
+    def resolve_one(self) -> Optional[Tuple[str, int]]:
         """End, of the communicators' next exchanges that every rank has issued, the one that begins earliest (the
-        max over ranks of max(issued, the communicator's previous exchange ended); module docstring)."""
+        max over ranks of max(issued, the communicator's previous exchange ended); module docstring); its key, or
+        None when no exchange can end."""
         candidates = []
         for comm, seq in self.next_seq.items():
             coll = self.pending.get((comm, seq))
             if coll is not None and coll.count == self.W:
+                issued = coll.matrices()[0]
                 free = self.comm_free.get(comm)
-                begins = coll.issued if free is None else np.maximum(coll.issued, free)
+                begins = issued if free is None else np.maximum(issued, free)
                 candidates.append((float(np.max(begins)), comm, seq))
         if not candidates:
-            return False
+            return None
         _, comm, seq = min(candidates)
         coll = self.pending.pop((comm, seq))
-        coll.check((comm, seq))
+        issued, send, recv = coll.matrices()
+        coll.check((comm, seq), send, recv)
         free = self.comm_free.setdefault(comm, np.zeros(self.W))
-        ready = np.maximum(coll.issued, free)  # its kernel runs: issued, and the communicator's previous one ended
+        ready = np.maximum(issued, free)  # its kernel runs: issued, and the communicator's previous one ended
         start = np.maximum(ready[None, :], self.link_free)  # [class, rank]: that link is free too
-        done, x = self.link_seconds(coll.send)
+        done, x = self.link_seconds(send)
         moves = done > 0
         pair_start = np.where(self.same_node, np.maximum(start[0][:, None], start[0][None, :]),
                               np.maximum(start[1][:, None], start[1][None, :]))
-        both = pair_start + done  # [s, d]: message s -> d done
-        last = np.maximum(np.where(moves, both, -np.inf).max(axis=1, initial=-np.inf),
-                          np.where(moves, both, -np.inf).max(axis=0, initial=-np.inf))
-        own = ready + 2.0 * np.diagonal(coll.send) / (self.model.copy_gbps * GB)  # the self segment
+        both = np.where(moves, pair_start + done, -np.inf)  # [s, d]: message s -> d done
+        last = np.maximum(both.max(axis=1, initial=-np.inf), both.max(axis=0, initial=-np.inf))
+        own = ready + 2.0 * np.diagonal(send) / (self.model.copy_gbps * GB)  # the self segment
         end = self.model.collective_us * US + np.maximum(own, last)
-        self.ends[(comm, seq)] = end
+        self.ends[(comm, seq)] = end.tolist()
         self.comm_free[comm] = end
         self.link_free = np.where(x > 0, start + x, self.link_free)  # a class an exchange does not use stays free
         self.link_busy += x.max(axis=0)
         self.next_seq[comm] = seq + 1
-        return True
+        return comm, seq
 
     def link_seconds(self, send: np.ndarray) -> tuple:
         """(``message_done_seconds``, ``exchange_class_seconds``) of one send matrix, computed once per distinct
@@ -287,15 +321,18 @@ class _Timeline:
         return out
 
     def run(self) -> PhaseTiming:
+        runnable = range(self.W)
         while True:
-            ran = any([self.advance(r) for r in range(self.W)])
-            resolved = self.resolve_one()
-            if all(p == len(o) for p, o in zip(self.ptr, self.ops)):
+            for r in runnable:
+                self.advance(r)
+            ended = self.resolve_one()
+            if ended is None:
                 break
-            if not (ran or resolved):
-                stuck = [(r, self.ops[r][self.ptr[r]]) for r in range(self.W) if self.ptr[r] < len(self.ops[r])]
-                raise ValueError(f"the op lists cannot run to the end (ranks disagree on their exchanges): "
-                                 f"first stuck {stuck[:2]}")
+            runnable = self.waiting.pop(ended, ())
+        if not all(p == len(o) for p, o in zip(self.ptr, self.ops)):
+            stuck = [(r, self.ops[r][self.ptr[r]]) for r in range(self.W) if self.ptr[r] < len(self.ops[r])]
+            raise ValueError(f"the op lists cannot run to the end (ranks disagree on their exchanges): "
+                             f"first stuck {stuck[:2]}")
         if self.pending:
             raise ValueError(f"exchanges issued but never ended: {sorted(self.pending)[:4]}")
         return PhaseTiming(seconds=np.asarray(self.t), compute=np.asarray(self.busy), link=self.link_busy.copy())
