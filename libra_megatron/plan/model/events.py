@@ -243,15 +243,11 @@ class _Timeline:
         """Run rank r's ops until a wait whose exchange has not ended (the rank then waits for it in ``waiting``)."""
         ops, i = self.ops[r], self.ptr[r]
         t, busy, costs = self.t[r], self.busy[r], self.costs
-        copy_per_byte, copy_launch = costs.copy_per_byte, costs.copy_launch
         while i < len(ops):
             op = ops[i]
             kind = type(op)
-            if kind is Copy:  # ``OpCosts.copy``, inline: a layer's lists are mostly copies
-                per_byte = copy_per_byte.get(op.op)
-                if per_byte is None:
-                    costs.copy(op)  # raises: not a copy kind
-                cost = 0.0 if op.nbytes == 0 else copy_launch + op.nbytes * per_byte
+            if kind is Copy:
+                cost = costs.copy(op)
                 t, busy = t + cost, busy + cost
             elif kind is Kernel:
                 cost = costs.kernel(op)
