@@ -228,13 +228,16 @@ def test_the_choice_is_the_fully_priced_fastest_whoever_is_priced_first_and_boun
 def test_the_relay_is_kept_only_where_the_whole_layer_prices_it_faster(real_pools):
     """DENSE keeps its assignment's relay plan (K/V relayed between nodes, chosen by the forward Pipeliner) unless
     the same assignment's direct plan prices a faster whole layer; the direct plan is priced where the Pipeliner
-    prices it within ``placement.RELAY_RECHECK`` of the relay plan. Priced again here, plan by plan: on these pools
-    the layer keeps the relay somewhere and drops it somewhere (linux: the relay hop's waits cost more than its
-    bytes save)."""
+    prices it within ``placement.RELAY_RECHECK`` of the relay plan. Then the striped relay (each node's fetchers
+    share the home run's rows, ``plan.exchange.relay``) replaces the kept plan where its whole layer is faster.
+    Priced again here, plan by plan: on these pools each of the three layouts is kept somewhere (linux: the single
+    relay hop's waits can cost more than its bytes save, its relay's NVLink egress carrying every other fetcher's
+    prefix)."""
     from libra_megatron.plan.exchange import plan_worker_seconds
+    from libra_megatron.plan.exchange import RELAY_STRIPE_UNITS
 
     model, pools = real_pools
-    kept = []
+    kept, layouts = [], set()
     for tiles, tau, *_ in pools:
         dense = place_tiles(tiles, tau, TilePlacement.DENSE, timing=model)
         relay = build_exchange_plan(tiles, dense.assignment, model)
@@ -246,6 +249,14 @@ def test_the_relay_is_kept_only_where_the_whole_layer_prices_it_faster(real_pool
             layers = [_layer_seconds(plan_layer_timing(p, model, "arranged")) for p in (relay, direct)]
             if ratio <= placement.RELAY_RECHECK and layers[1] < layers[0]:
                 expected = direct
+        striped = build_exchange_plan(tiles, dense.assignment, model, relay_stripe=RELAY_STRIPE_UNITS)
+        if striped.relay_units is not None:
+            assert striped.fingerprint != relay.fingerprint
+            best = _layer_seconds(plan_layer_timing(expected, model, "arranged"))
+            if _layer_seconds(plan_layer_timing(striped, model, "arranged")) < best:
+                expected = striped
         assert dense.exchange.fingerprint == expected.fingerprint
         kept.append(dense.exchange.relay_units is not None)
+        layouts.add({relay.fingerprint: "single", striped.fingerprint: "striped"}.get(expected.fingerprint, "direct"))
     assert any(kept) and not all(kept), kept
+    assert layouts == {"single", "striped", "direct"}, layouts

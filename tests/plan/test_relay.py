@@ -1,5 +1,6 @@
 """K/V relay (plan.exchange "Relay", issue 14): a home run that several workers of another node fetch
-crosses nodes once, to the one that needs the most of it, which forwards each of the others its prefix.
+crosses nodes once, to the one that needs the most of it, which forwards each of the others its prefix (single),
+or cut into stripes each fetched by one of them and forwarded to the others that need it (striped).
 
 Every property is checked against the same plan without a relay: each destination ends up holding exactly
 the same arranged K/V, attention through the plan matches the dense reference, the inverse routes are the
@@ -29,17 +30,18 @@ from .test_exchange import SETTINGS, _check_attention, assert_inverse_is_adjoint
 @st.composite
 def relayed_pools(draw):
     """A pool from ``pools`` with a node per worker (1-3 workers per node, any order), its plan with the relay
-    (as the planner chooses it, or forced onto a random set of senders' home runs) and without it, and the
-    forced senders (None: the planner's choice)."""
+    (as the planner chooses it, or forced onto a random set of senders' home runs; single or striped) and without
+    it, the forced senders (None: the planner's choice) and the least stripe (None: the single relay)."""
     segs, layout, heads, tiles, assign, rng = draw(pools())
     W = tiles.num_workers
     nodes = tuple(int(x) for x in rng.integers(0, max(1, W // draw(st.sampled_from([1, 2, 3]))), W))
     timing = StepTimeModel(heads.head_dim, attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3,
                            worker_nodes=nodes, kv_relay=True)  # slow links between nodes: relays pay off
     senders = rng.random(W) < 0.5 if draw(st.booleans()) else None
+    stripe = draw(st.sampled_from([None, 1, 2, 5]))  # the single relay, or striped with stripes >= this
     return segs, layout, heads, tiles, assign, rng, np.asarray(nodes), \
-        _build_exchange_plan(tiles, assign, timing, relay_senders=senders), \
-        build_exchange_plan(tiles, assign, replace(timing, kv_relay=False)), senders
+        _build_exchange_plan(tiles, assign, timing, relay_senders=senders, relay_stripe=stripe), \
+        build_exchange_plan(tiles, assign, replace(timing, kv_relay=False)), senders, stripe
 
 
 def _inter_node_kv_units(plan, nodes) -> np.ndarray:
@@ -77,7 +79,7 @@ def _expected_inter_node(direct, nodes) -> np.ndarray:
 @given(relayed_pools())
 @settings(**SETTINGS)
 def test_relayed_plans_validate_and_hold_exactly_what_the_direct_plan_holds(pool):
-    segs, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders = pool
+    segs, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders, stripe = pool
     validate_plan(relayed, tiles)
     P, H, G = len(segs), heads.head_split, heads.num_kv_classes
     ids, kv_ids = token_ids(layout, P, H), token_ids(layout, P, G)
@@ -102,7 +104,7 @@ def test_relayed_plans_validate_and_hold_exactly_what_the_direct_plan_holds(pool
 @given(relayed_pools())
 @settings(**SETTINGS)
 def test_a_plan_relays_unless_the_timeline_prices_its_slowest_worker_slower(pool):
-    _, _, heads, tiles, assign, _, nodes, relayed, direct, senders = pool
+    _, _, heads, tiles, assign, _, nodes, relayed, direct, senders, stripe = pool
     model = StepTimeModel(heads.head_dim, attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3,
                           worker_nodes=tuple(nodes.tolist()))
     if senders is not None:
@@ -111,7 +113,8 @@ def test_a_plan_relays_unless_the_timeline_prices_its_slowest_worker_slower(pool
     assert chosen <= other * (1 + 1e-12)
     # the planner also priced relaying every home run; it kept the faster
     timing = replace(model, kv_relay=True)
-    everyone = _build_exchange_plan(tiles, assign, timing, relay_senders=np.ones(tiles.num_workers, dtype=bool))
+    everyone = _build_exchange_plan(tiles, assign, timing, relay_senders=np.ones(tiles.num_workers, dtype=bool),
+                                    relay_stripe=stripe)
     if everyone.relay_units is not None and plan_worker_seconds(everyone, model).max() <= other:
         assert chosen <= plan_worker_seconds(everyone, model).max() * (1 + 1e-12)
 
@@ -119,7 +122,7 @@ def test_a_plan_relays_unless_the_timeline_prices_its_slowest_worker_slower(pool
 @given(relayed_pools())
 @settings(**SETTINGS)
 def test_attention_through_a_relayed_plan_matches_the_dense_reference(pool):
-    segs, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders = pool
+    segs, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders, stripe = pool
     _check_attention(relayed, segs, layout, heads, rng)
 
 
@@ -127,7 +130,7 @@ def test_attention_through_a_relayed_plan_matches_the_dense_reference(pool):
 @settings(**SETTINGS)
 def test_relay_inverse_is_the_adjoint_and_gradients_reach_home_once_per_fetch(pool):
     """<A x, G> == <x, A^T G> with the relay's inverse; ones sent back count the same fetches as without it."""
-    _, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders = pool
+    _, layout, heads, tiles, assign, rng, nodes, relayed, direct, senders, stripe = pool
     assert_inverse_is_adjoint(relayed, layout, heads, rng)
     ones = [np.ones(rp.kv_route.target_len) for rp in relayed.ranks]
     for got, want in zip(return_kv_grads_numpy(relayed, ones), return_kv_grads_numpy(direct, ones)):
@@ -162,7 +165,7 @@ def test_hand_made_relay_sends_the_longest_prefix_once_and_forwards_the_shorter_
 def test_relayed_rows_are_foreign_to_the_local_split(pool):
     """Entry kinds of a relayed plan equal the row-by-row check (relayed rows never count as self-sourced),
     and the pool-wide local / remote loads the simulator prices are the per-rank sums."""
-    _, _, heads, tiles, assign, _, nodes, relayed, direct, senders = pool
+    _, _, heads, tiles, assign, _, nodes, relayed, direct, senders, stripe = pool
     hps = tiles.heads.q_heads_per_shard
     for rp in relayed.ranks:
         kinds, tail = rank_entry_kinds(rp)
@@ -175,6 +178,36 @@ def test_relayed_rows_are_foreign_to_the_local_split(pool):
         tail_len = np.asarray(rp.seq_kv_offset) + k - tail
         ahead = np.where(kinds == LOCAL, load, np.where(split, entry_pair_heads(n, tail_len, hps), 0))
         np.testing.assert_allclose(relayed.hosted_pair_heads[:, rp.rank], [ahead.sum(), load.sum() - ahead.sum()])
+
+
+def test_hand_made_striped_relay_spreads_the_home_run_over_the_node_and_forwards_each_stripe_once():
+    """The hand-made pool above with stripes of >= 2 units. Worker 2 needs rows [0, 16), worker 3 [0, 12), worker 1
+    [0, 8): the cuts [12, 16) (worker 2 alone), [8, 12) (workers 2, 3: stripes [8, 10) to 3, [10, 12) to 2) and
+    [0, 8) (all three: [0, 2) to 1, [2, 5) to 3, [5, 8) to 2). The same 16 rows cross nodes once, now to three
+    NICs (2 + 9 + 5); the busiest forwarder sends 8 rows over NVLink, not the single relay's 20."""
+    heads = HeadLayout(2, 2, 4, 1, 1)
+    tiles = build_tiles([[16], [16], [16], [16]], TokenLayout("contiguous", 16, 1), heads, 4, tiling="uniform",
+                        kv_fetch="prefix")
+    assign = tiles.tile_home().copy()
+    assign[1], assign[3], assign[2] = 1, 2, 3
+    slow = StepTimeModel(4, attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3, worker_nodes=(0, 1, 1, 1),
+                         kv_relay=True)
+    plan = build_exchange_plan(tiles, assign, slow, relay_stripe=2)
+    validate_plan(plan, tiles)
+    assert plan.peer_units[1][0].tolist() == [4, 2, 9, 5]
+    assert plan.relay_units.tolist() == [[0, 0, 0, 0], [0, 0, 2, 2], [0, 3, 0, 5], [0, 3, 5, 0]]
+    single = build_exchange_plan(tiles, assign, slow)
+    assert single.relay_units.sum(axis=1).max() == 20 and plan.relay_units.sum(axis=1).max() == 8
+    assert plan.bytes_kv == single.bytes_kv and plan.fingerprint != single.fingerprint
+    wide = build_exchange_plan(tiles, assign, slow, relay_stripe=16)  # no cut reaches 16 rows: one owner per cut
+    validate_plan(wide, tiles)
+    assert wide.peer_units[1][0].tolist() == [4, 8, 4, 4]  # cuts owned by the member needing the fewest rows
+    P, H, G = 4, heads.head_split, heads.num_kv_classes
+    ids, kv_ids = token_ids(tiles.layout, P, H), token_ids(tiles.layout, P, G)
+    for relayed in (plan, wide):
+        (aq, akv), (bq, bkv) = run_routes_numpy(relayed, ids, kv_ids), run_routes_numpy(single, ids, kv_ids)
+        for w in range(tiles.num_workers):
+            np.testing.assert_array_equal(akv[w], bkv[w])
 
 
 def test_config_kv_relay_reaches_plan_pool():

@@ -68,6 +68,7 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
             # K/V relay between nodes of two ranks (placed cases at world >= 4), on a twin group or the pool group
             nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 and i % 3 else None,
             twin=world_size >= 4 and i % 3 > 0 and i % 2 == 1,  # (a twin is made by every rank of the world at once)
+            stripe=1 if i % 4 >= 2 else None,  # relaying cases: the striped relay (>= 1 unit a stripe), else single
         ))
     return cases
 
@@ -105,7 +106,7 @@ def _build(case, rank_override_assign=None, with_tiles=False):
         from libra_megatron.plan.model import StepTimeModel
 
         timing = StepTimeModel(case["d"], worker_nodes=case["nodes"], kv_relay=True, **RELAY_MODEL)
-    plan = build_exchange_plan(tiles, assign, timing)
+    plan = build_exchange_plan(tiles, assign, timing, relay_stripe=case.get("stripe"))
     return (tiles, plan) if with_tiles else (layout, plan)
 
 
@@ -304,13 +305,14 @@ def make_precision_cases(world_size: int, seed: int) -> List[dict]:
     rng = np.random.default_rng(seed)
     cases = []
     for i, (P, cp, L) in enumerate(PRECISION_SHAPES[world_size]):
-        for dtype, hkv, H, M in (("bfloat16", 1, 1, 4), ("float16", 1, 1, 4), ("bfloat16", 4, 2, 2)):
+        for j, (dtype, hkv, H, M) in enumerate((("bfloat16", 1, 1, 4), ("float16", 1, 1, 4), ("bfloat16", 4, 2, 2))):
             segs = [[L]] + trace_segments(rng, P - 1, L)
             cases.append(dict(P=P, cp=cp, L=L, segs=segs, hq=8, hkv=hkv, H=H, M=M, d=16, layout="zigzag", block=4,
                               assign="random", assign_seed=int(rng.integers(1 << 30)), dtype=dtype,
                               save_mode=["arranged", "refetch"][i % 2], fmt="thd", data_seed=int(rng.integers(1 << 30)),
                               nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 else None,
-                              min_fragments=8 if hkv == 1 else 1))
+                              min_fragments=8 if hkv == 1 else 1,
+                              stripe=1 if (i + j) % 2 else None))  # relayed (world >= 4): striped or single
     return cases
 
 

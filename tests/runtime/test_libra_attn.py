@@ -73,9 +73,18 @@ def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placemen
     leads = {c["lead"] for i, c in enumerate(cases) if any(res["libra"][i]["entry_kinds"][0] and
                                                           sum(res["libra"][i]["entry_kinds"][1:]) for res in results)}
     assert -1 in leads and leads - {-1}, leads  # the split ran under the default lead and a plan-given one
-    if world_size >= 4:  # K/V relayed between nodes, on a twin group and on the pool group itself
+    if world_size >= 4:  # K/V relayed between nodes, on a twin group and on the pool group itself, single and striped
         relayed = [(c.get("twin"), sum(res["libra"][i]["relay_recv"] for res in results)) for i, c in enumerate(cases)]
         assert any(twin and rows for twin, rows in relayed) and any(not twin and rows for twin, rows in relayed), relayed
+        striped = [_striped_differs(c) for c, (_, rows) in zip(cases, relayed) if rows and c.get("stripe")]
+        assert any(striped) and any(rows for c, (_, rows) in zip(cases, relayed) if not c.get("stripe")), striped
+
+
+def _striped_differs(case) -> bool:
+    """Whether a case's striped relay is not the single relay's plan (some home run's rows are cut into stripes)."""
+    _, plan = build_plan(case)
+    _, single = build_plan(dict(case, stripe=None))
+    return plan.fingerprint != single.fingerprint
 
 
 def test_two_pools_on_subgroups_run_different_plans_concurrently():
@@ -182,8 +191,9 @@ def test_bf16_and_fp16_meet_flash_attention_rule_with_many_kv_fragments(world_si
             for name, err, base in zip(("out", "dq", "dk", "dv"), r["err"], r["base_err"]):
                 assert err <= 2 * base, f"{case['dtype']} P={case['P']} CP={case['cp']} rank {rank} {name}: " \
                                         f"error {err:.3g} > 2 x same-dtype single-device error {base:.3g}"
-    if world_size >= 4:  # the rule also holds with K/V relayed between nodes (dK|dV summed at the relay in fp32)
+    if world_size >= 4:  # the rule also holds with K/V relayed between nodes (dK|dV summed at the relay in fp32),
         assert all(any(res["precision"]["ok"][i]["relayed"] for res in results) for i in range(len(cases)))
+        assert any(_striped_differs(c) for c in cases if c.get("stripe"))  # the relay striped over a node's fetchers
 
 
 def test_the_precision_rule_catches_dk_dv_sums_in_the_input_dtype():

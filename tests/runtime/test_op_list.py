@@ -55,7 +55,7 @@ def _plan(spec):
     timing = None
     if spec.get("nodes"):
         timing = StepTimeModel(spec["d"], worker_nodes=spec["nodes"], kv_relay=True, **RELAY_MODEL)
-    return build_exchange_plan(tiles, assign, timing)
+    return build_exchange_plan(tiles, assign, timing, relay_stripe=spec.get("stripe"))
 
 
 def _runs(spec):
@@ -80,19 +80,20 @@ def _generated(run):
 @st.composite
 def specs(draw, world):
     """A small pool of ``world`` workers: layout, heads (elem 2/4/8), documents, tiling, assignment, lead and
-    (world 4) two nodes whose K/V may relay."""
+    (world 4) two nodes whose K/V may relay, single or striped."""
     P, cp = draw(st.sampled_from(POOL_SHAPES[world]))
     kind = draw(st.sampled_from(["contiguous", "zigzag"]))
     hq, hkv, H, M = draw(st.sampled_from(HEADS))
     n_chunks = 2 * cp if kind == "zigzag" and cp > 1 else cp
     L = n_chunks * draw(st.integers(2, 8))
     segs = [_partition(draw, L) for _ in range(P)]
-    return dict(P=P, cp=cp, L=L, segs=segs, layout=kind, hq=hq, hkv=hkv, d=2, H=H, M=M,
+    spec = dict(P=P, cp=cp, L=L, segs=segs, layout=kind, hq=hq, hkv=hkv, d=2, H=H, M=M,
                 elem=draw(st.sampled_from([2, 4, 8])), block=draw(st.integers(2, L + 1)),
                 tiling=draw(st.sampled_from(["uniform", "adaptive"])), kv_fetch=draw(st.sampled_from(["group", "prefix"])),
                 assign=draw(st.sampled_from(["home", "random", "alg2"])), seed=draw(st.integers(0, 2**30)),
                 lead=draw(st.sampled_from([None, -1, 0, 1, M, M + 1])),
                 nodes=(0, 0, 1, 1) if world == 4 and draw(st.booleans()) else None)
+    return dict(spec, stripe=1 if spec["seed"] % 2 else None)  # a relay striped or single (no draw: same stream)
 
 
 def _partition(draw, L):
@@ -143,7 +144,7 @@ def fixed_specs(world):
     if world == 4:  # relays in fp16 with kv pieces shared by chunks, in fp64 with one chunk
         relay = dict(base, assign="random", nodes=(0, 0, 1, 1))
         out += [dict(relay, H=2, M=2, hkv=2, elem=2), dict(relay, H=2, M=2, hkv=2, elem=4, lead=1),
-                dict(relay, H=1, M=1, hq=4, hkv=4, elem=8, seed=7)]
+                dict(relay, H=1, M=1, hq=4, hkv=4, elem=8, seed=7), dict(relay, H=2, M=2, hkv=2, elem=2, stripe=1)]
     return out
 
 
@@ -260,7 +261,7 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
 
     runs, _, _, _, generated = _suite(world)
     seen = dict(save_mode=set(), relay=set(), split=set(), M=set(), H=set(), shared_kv=set(), elem=set(), fp32_wire=set(),
-                kv_rows_read=set())
+                kv_rows_read=set(), striped=set())
     for run in runs:
         spec, tables = run["spec"], [rank_tables(rp) for rp in run["plans"]]
         seen["save_mode"].add(run["save_mode"])
@@ -272,11 +273,14 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
         seen["elem"].add(spec["elem"])
         seen["fp32_wire"].add(spec["elem"] == 2 and not run["plans"][0].heads.kv_return_chunks().all())
         seen["kv_rows_read"].update(t.kv_rows_read for t in tables)  # dK|dV sums from first rows, or from zeros
+        if spec.get("stripe") and any(t.relay_send is not None for t in tables):  # striped: not the single relay's plan
+            seen["striped"].add(_plan(dict(spec, stripe=None)).fingerprint != run["plans"][0].fingerprint)
     assert seen["save_mode"] == {"arranged", "refetch"} and seen["split"] == {True, False}
     assert seen["M"] == seen["H"] == {1, 2, 4} and seen["shared_kv"] == {True, False}
     assert seen["elem"] == {2, 4, 8} and True in seen["fp32_wire"]  # fp16 dK|dV sums home in fp32
     assert seen["kv_rows_read"] == {True, False}
     assert seen["relay"] == ({"off", "relay", "pool"} if world == 4 else {"off"}), seen["relay"]
+    assert True in seen["striped"] if world == 4 else not seen["striped"]
     steps = {(phase, op.tag, type(op).__name__) for per_rank in generated for ops in per_rank
              for phase, phase_ops in zip(("f", "b"), ops) for op in phase_ops}
     want = {("f", "local", "Kernel"), ("f", "remote", "Kernel"), ("f", "heads", "Kernel"), ("f", "merge", "Copy"),

@@ -3,7 +3,8 @@
     records         the plan schema the runtime reads: ``Route``, ``RankPlan``, ``ExchangePlan``, unit -> row maps
     builder         ``build_exchange_plan``: routes, varlen entries and Eq. 8 byte totals of an assignment
     tables          the pool-wide run tables a plan's ranks are cut from (built once, read lazily per rank)
-    relay           the K/V relay choice (one inter-node copy per home run and node) and every rank's lead
+    relay           the K/V relay choice (one inter-node copy per home run and node; single or striped) and every
+                    rank's lead
     kv_refs         which K/V rows a destination fetches (deduplicated per (sample, head shard) group)
     local_entries   which varlen entries need no received data (the Pipeliner's local-first split)
     traffic         per-worker, per-chunk bytes of a plan, and their seconds under ``plan.model``
@@ -19,7 +20,7 @@ Imports ``plan.model``, ``plan.layout``, ``plan.errors`` and ``config``; never `
 from .builder import build_exchange_plan
 from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, home_runs_in_prefix
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
-from .relay import RELAY_SENDER_CUTS
+from .relay import RELAY_SENDER_CUTS, RELAY_STRIPE_UNITS
 from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables
 from .op_lists import LayerOps, layer_ops, phase_ops
 from .schedule import SAVE_MODES, entry_pairs, rank_layer_ops
@@ -29,7 +30,7 @@ from .validate import validate_plan
 
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
-           "RELAY_SENDER_CUTS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
+           "RELAY_SENDER_CUTS", "RELAY_STRIPE_UNITS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
            "rank_tables",
            "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "phase_ops", "rank_layer_ops", "LayerPricing",
            "LayerTiming", "plan_layer_timing",

@@ -144,7 +144,7 @@ def _check_assignment(tiles, assignment) -> np.ndarray:
     return frozen_int64(assignment)
 
 
-def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangePlan:
+def build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_stripe=None) -> ExchangePlan:
     """Turn a tile assignment (``assignment[t]`` = destination worker of tile t) into an ExchangePlan.
 
     Per destination, hosted tiles are ordered by (h, sequence, block start); the arranged Q buffer is
@@ -156,13 +156,15 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None) -> ExchangeP
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
     ``timing`` (a ``plan.model.StepTimeModel``): every rank's Pipeliner lead is chosen under it
     (``plan.model.best_lead``; it orders local and remote kernel calls, never a collective); with
-    ``timing.kv_relay`` the K/V of other nodes is relayed over ``timing.nodes`` (module docstring, "Relay").
+    ``timing.kv_relay`` the K/V of other nodes is relayed over ``timing.nodes`` (module docstring, "Relay"), in the
+    striped layout with stripes of at least ``relay_stripe`` KV units when it is given (``relay.relay_runs``).
     Cost: O(tiles + fragments + referenced groups * homes) here; O(the rank's runs) per RankPlan on access.
     """
-    return _build_exchange_plan(tiles, assignment, timing)
+    return _build_exchange_plan(tiles, assignment, timing, relay_stripe=relay_stripe)
 
 
-def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_senders=None) -> ExchangePlan:
+def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_senders=None,
+                         relay_stripe=None) -> ExchangePlan:
     """``build_exchange_plan``; ``relay_senders`` (bool [W], tests) relays exactly the home runs of these
     workers whenever ``timing.kv_relay`` (no pricing)."""
     assignment = _check_assignment(tiles, assignment)
@@ -175,7 +177,8 @@ def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_sende
     relay = relay_units = lead = None
     if timing is not None:
         kv_runs, peers, hosted, lead, relay_units, relay = choose_relay(q_runs, kv_runs, q_len, kv_len, varlen, heads,
-                                                                        timing, peers, hosted, relay_senders)
+                                                                        timing, peers, hosted, relay_senders,
+                                                                        relay_stripe)
         lead = frozen_int64(lead)
     sent = bytes_sent(q_runs, kv_runs, heads, W, relay)
     fp = fingerprint(tiles, assignment, q_runs, pairs, varlen, relay)

@@ -22,7 +22,9 @@ Relay (issue 14). With ``timing.kv_relay`` (nodes from ``timing.nodes``), a home
 destinations on one *other* node fetch crosses nodes once: the destination there that needs the most of it (the relay,
 lowest rank on ties) fetches it along the KV route, and the others copy their prefix of it from the relay's
 arranged buffer along the *relay route* (units = arranged-KV rows, stride 1; inverse = their dK/dV added
-into the relay's arranged dK/dV before it goes home). The KV route's receive runs and the relay route's
+into the relay's arranged dK/dV before it goes home); in the striped layout (``relay.relay_runs``) the home run is
+cut into stripes, each fetched by one of those destinations and forwarded to the others that need it, so a rank
+may both forward and receive rows of one home run. The KV route's receive runs and the relay route's
 together place every arranged-KV row exactly once. Which home runs relay is chosen per plan, the fastest
 under the Pipeliner timeline of: every home run, or only those of the workers within 5% / 1% of the
 unrelayed plan's slowest (``RELAY_SENDER_CUTS``: a relay's receivers wait for it, so relaying only the

@@ -3,6 +3,15 @@
 ``choose_relay`` prices the candidate relay sets of one plan on the Pipeliner timeline (``plan.model``) and keeps
 the fastest; ``relay_runs`` cuts a KV run table into the hop-1 runs and the relay runs; ``leads`` picks every
 rank's lead (``plan.model.best_lead``).
+
+Two layouts of the relay inside a node. *Single* (the default): the destination that needs the most of a home run
+fetches all of it and forwards every other destination its prefix, so its NVLink egress carries up to (k - 1)
+prefixes for k destinations. *Striped* (``stripe``, in KV units): the home run's rows are cut where the
+destinations' prefixes end, each cut among the destinations that need it (at least ``stripe`` units a stripe, the
+destinations needing the fewest rows owning first), each owner fetches its stripes over the NIC and forwards
+them to the others that need them: the same bytes cross nodes once, spread over the node's NICs, and the
+forwarding spreads over the node's NVLink egress. The Pipeliner prices both alike (it sums bytes per link class);
+the dense placement keeps the one whose whole layer is faster (``plan.tiles.placement.fastest_layer``).
 """
 from __future__ import annotations
 
@@ -16,19 +25,23 @@ from .records import frozen_int64
 from .tables import UnitRuns, hosted_pair_heads, pair_units, peer_units
 from .traffic import traffic_of_units
 
-__all__ = ["RELAY_SENDER_CUTS", "relay_runs", "choose_relay", "leads"]
+__all__ = ["RELAY_SENDER_CUTS", "RELAY_STRIPE_UNITS", "relay_runs", "choose_relay", "leads"]
 
 RELAY_SENDER_CUTS = (0.95, 0.99)  # relay candidates besides every home run (module docstring, "Relay")
+RELAY_STRIPE_UNITS = 512  # the striped relay's least stripe, in KV units (tokens of one KV class)
 
 
-def relay_runs(kv: UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = None):
+def relay_runs(kv: UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = None,
+               stripe: Optional[int] = None, kv_classes: int = 1):
     """(hop-1 KV runs, relay runs or None) (module docstring, "Relay"); ``senders`` (bool [W]): relay only the
-    home runs of these workers (None: every worker's).
+    home runs of these workers (None: every worker's); ``stripe``: the striped layout with stripes of at least
+    this many units (None: single); ``kv_classes``: G, the stride of a KV run's source units.
 
     KV runs of one home run (same src and src_start: same K/V class, same first row) fetched by several
-    destinations on one node other than the source's keep only the longest (the relay R; lowest rank on ties)
-    on the KV route; every other destination w gets a relay run R -> w of its own count, from R's arranged
-    rows [tgt_R, +count_w) to its rows [tgt_w, +count_w). Relay runs come sorted by (dst, tgt)."""
+    destinations on one node other than the source's: single, only the longest (the relay R; lowest rank on ties)
+    stays on the KV route and every other destination w gets a relay run R -> w of its own count, from R's
+    arranged rows [tgt_R, +count_w) to its rows [tgt_w, +count_w); striped, ``_striped_runs``. Relay runs come
+    sorted by (dst, tgt)."""
     node = np.asarray(nodes, dtype=np.int64)
     cross = np.flatnonzero(node[kv.src] != node[kv.dst])
     if senders is not None:
@@ -42,6 +55,8 @@ def relay_runs(kv: UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = 
     first[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
     if first.all():
         return kv, None
+    if stripe is not None:
+        return _striped_runs(kv, order, first, int(stripe), int(kv_classes))
     lead = order[np.maximum.accumulate(np.where(first, np.arange(order.size), 0))]  # the relay's run
     moved = order[~first]
     relay_of = lead[~first]
@@ -53,12 +68,55 @@ def relay_runs(kv: UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = 
     return UnitRuns(*(x[keep] for x in kv.arrays())), UnitRuns(*(x[by_dst] for x in relay.arrays()))
 
 
+def _striped_runs(kv: UnitRuns, order: np.ndarray, first: np.ndarray, stripe: int, kv_classes: int):
+    """The striped layout (module docstring) of the relayed runs ``order`` (grouped by home run and node, ``first``
+    marks each group's first run; inside a group by count descending, then rank). Member i of a group (0-based)
+    holds the cut [count of member i + 1, its own count) (the last member's starts at 0), which members 0..i
+    need; the cut is split into n = clip(length // ``stripe``, 1, i + 1) near-equal stripes owned by members
+    i, i - 1, ..., i - n + 1. Each stripe is one hop-1 run home -> owner and one relay run owner -> every other
+    member of 0..i. Returns (hop-1 runs sorted by (dst, tgt), relay runs sorted by (dst, tgt))."""
+    if stripe < 1:
+        raise ValueError(f"the relay's least stripe must be >= 1 unit, got {stripe}")
+    group = np.cumsum(first) - 1
+    start = np.flatnonzero(first)
+    size = np.diff(np.append(start, order.size))
+    pos = np.arange(order.size) - start[group]  # member index inside its group
+    count = kv.count[order]
+    lo = np.where(pos + 1 < size[group], np.append(count[1:], 0), 0)  # the next member's count (the cut's start)
+    length = count - lo
+    owners = np.where((length > 0) & (size[group] > 1), np.clip(length // stripe, 1, pos + 1), 0)
+    seg = np.repeat(np.arange(order.size), owners)  # one entry per stripe: the member whose cut it is
+    nth = np.arange(seg.size) - np.repeat(np.cumsum(owners) - owners, owners)
+    n = owners[seg]
+    x = lo[seg] + length[seg] * nth // n  # the stripe's units [x, y) of the home run
+    y = lo[seg] + length[seg] * (nth + 1) // n
+    own = order[seg - nth]  # the owner's run: member pos - nth of the same group
+    hop = (kv.src[own], kv.dst[own], kv.src_start[own] + x * kv_classes, y - x, kv.tgt_start[own] + x)
+    consumers = pos[seg] + 1  # members 0..i need the stripe
+    stripe_of = np.repeat(np.arange(seg.size), consumers)
+    member = np.arange(stripe_of.size) - np.repeat(np.cumsum(consumers) - consumers, consumers)
+    to = order[start[group[seg[stripe_of]]] + member]
+    forward = to != own[stripe_of]
+    stripe_of, to = stripe_of[forward], to[forward]
+    relay = UnitRuns(src=kv.dst[own[stripe_of]], dst=kv.dst[to], src_start=kv.tgt_start[own[stripe_of]] + x[stripe_of],
+                     count=(y - x)[stripe_of], tgt_start=kv.tgt_start[to] + x[stripe_of])
+    if relay.src.size == 0:
+        return kv, None
+    keep = np.ones(kv.src.size, dtype=bool)
+    keep[order[size[group] > 1]] = False
+    hop1 = UnitRuns(*(np.concatenate([a[keep], b]) for a, b in zip(kv.arrays(), hop)))
+    by_dst = np.lexsort((hop1.tgt_start, hop1.dst))
+    relay_by_dst = np.lexsort((relay.tgt_start, relay.dst))
+    return UnitRuns(*(a[by_dst] for a in hop1.arrays())), UnitRuns(*(a[relay_by_dst] for a in relay.arrays()))
+
+
 
 def choose_relay(q_runs: UnitRuns, kv_runs: UnitRuns, q_len, kv_len, varlen, heads: HeadLayout, timing, peers,
-                 hosted, relay_senders=None):
+                 hosted, relay_senders=None, stripe=None):
     """The plan's relay under ``timing`` (``timing.kv_relay``): (kv_runs, peers, hosted, lead, relay_units, relay
     runs), the direct plan's when no relay set prices the pool's slowest worker no slower. ``relay_senders``
-    (bool [W], tests) relays exactly the home runs of these workers (no pricing)."""
+    (bool [W], tests) relays exactly the home runs of these workers (no pricing); ``stripe``: the striped layout
+    (``relay_runs``), None the single."""
     W = q_len.shape[0]
     lead, seconds = leads(peers, hosted, heads, timing)
     direct = (kv_runs, peers, hosted, lead, None, None)
@@ -68,7 +126,7 @@ def choose_relay(q_runs: UnitRuns, kv_runs: UnitRuns, q_len, kv_len, varlen, hea
         [None] + _distinct([seconds >= cut * seconds.max() for cut in RELAY_SENDER_CUTS])
     best = None
     for senders in sets:
-        hop1, runs = relay_runs(kv_runs, timing.nodes(W), senders)
+        hop1, runs = relay_runs(kv_runs, timing.nodes(W), senders, stripe, heads.num_kv_classes)
         if runs is None:
             continue
         r_peers = frozen_int64(peer_units(q_runs, hop1, W))

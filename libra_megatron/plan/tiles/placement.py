@@ -25,7 +25,7 @@ import numpy as np
 from ...config import TilePlacement
 from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
-from ..exchange import LayerPricing, build_exchange_plan, fetched_groups, plan_worker_seconds
+from ..exchange import RELAY_STRIPE_UNITS, LayerPricing, build_exchange_plan, fetched_groups, plan_worker_seconds
 from ..model import StepTimeModel, kernel_floor_per_pair
 from .node_export import export_dense_first
 from .tiles import TileSet
@@ -205,8 +205,11 @@ def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first
     The relay, too, is kept by the whole layer: when the kept plan relays K/V (``timing.kv_relay``, chosen by the
     forward Pipeliner per worker in ``plan.exchange.relay.choose_relay``), the same assignment's direct plan
     replaces it if its layer is faster; it is priced only when the Pipeliner prices it within ``RELAY_RECHECK`` of
-    the relay plan (docs/exchange.md: beyond that the layer never preferred it). ``relay_check=False``: the
-    candidates' plans as built."""
+    the relay plan (docs/exchange.md: beyond that the layer never preferred it). Then the same assignment's plan
+    with the relay striped over each node's fetchers (``plan.exchange.relay``, ``RELAY_STRIPE_UNITS``) replaces the
+    kept one if its layer is faster (the Pipeliner cannot tell the two layouts apart: it sums bytes per link
+    class); ties keep the single relay, then the direct plan. ``relay_check=False``: the candidates' plans as
+    built."""
     distinct = []  # the first of equal candidates
     for i, candidate in enumerate(candidates):
         if not any(np.array_equal(candidate, candidates[j]) for j in distinct):
@@ -239,6 +242,10 @@ def fastest_layer(tiles: TileSet, candidates, timing: StepTimeModel, price_first
         direct = build_exchange_plan(tiles, best[2], dataclasses.replace(timing, kv_relay=False))
         if plan_worker_seconds(direct, timing).max() <= RELAY_RECHECK * plan_worker_seconds(best[3], timing).max():
             consider((best[1][0], 1), best[2], direct)
+    if relay_check and timing.kv_relay:
+        striped = build_exchange_plan(tiles, best[2], timing, relay_stripe=RELAY_STRIPE_UNITS)
+        if striped.relay_units is not None:
+            consider((best[1][0], 2), best[2], striped)
     return best[2], best[3]
 
 
