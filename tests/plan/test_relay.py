@@ -180,6 +180,28 @@ def test_relayed_rows_are_foreign_to_the_local_split(pool):
         np.testing.assert_allclose(relayed.hosted_pair_heads[:, rp.rank], [ahead.sum(), load.sum() - ahead.sum()])
 
 
+@given(relayed_pools())
+@settings(**SETTINGS)
+def test_striped_and_single_relays_of_the_same_senders_forward_the_same_rows_in_total(pool):
+    """For one set of relayed senders, the striped layout forwards as many rows as the single one (a cut of the home
+    run [c_(i+1), c_i) is needed by i + 1 fetchers and forwarded to i of them: sum_i i (c_i - c_(i+1)) = every
+    fetcher's prefix but the longest's), each crosses nodes the same way (`_inter_node_kv_units`), and every rank's
+    forwarding is at most the single layout's busiest relay's."""
+    _, _, heads, tiles, assign, _, nodes, _, _, senders, stripe = pool
+    senders = np.ones(tiles.num_workers, dtype=bool) if senders is None else senders
+    model = StepTimeModel(heads.head_dim, attn_tflops=1e-6, inter_node_gbps=1e-7, intra_node_gbps=1e-3,
+                          worker_nodes=tuple(nodes.tolist()), kv_relay=True)
+    single = _build_exchange_plan(tiles, assign, model, relay_senders=senders)
+    relayed = _build_exchange_plan(tiles, assign, model, relay_senders=senders, relay_stripe=stripe or 1)
+    if single.relay_units is None:
+        assert relayed.relay_units is None
+        return
+    validate_plan(relayed, tiles)
+    assert single.relay_units.sum() == relayed.relay_units.sum()
+    np.testing.assert_array_equal(_inter_node_kv_units(single, nodes), _inter_node_kv_units(relayed, nodes))
+    assert relayed.relay_units.sum(axis=1).max() <= single.relay_units.sum()
+
+
 def test_hand_made_striped_relay_spreads_the_home_run_over_the_node_and_forwards_each_stripe_once():
     """The hand-made pool above with stripes of >= 2 units. Worker 2 needs rows [0, 16), worker 3 [0, 12), worker 1
     [0, 8): the cuts [12, 16) (worker 2 alone), [8, 12) (workers 2, 3: stripes [8, 10) to 3, [10, 12) to 2) and
