@@ -40,17 +40,22 @@ class PoolPlan:
 
 
 def _check_consistent(seq_segments, config: LibraConfig, layout: TokenLayout, heads: HeadLayout) -> None:
-    """The config, layouts and segments must describe the same pool; ValueError names the flag."""
+    """The config, layouts and segments must describe the same pool; ValueError names the flag. ``num_chunks: auto``
+    is compared as it resolves for these heads (``LibraConfig.chunks_for``)."""
+    chunks = config.chunks_for(heads.num_q_heads, heads.num_kv_heads)
     pairs = [
         ("pool_size", config.pool_size, len(seq_segments), "packed sequences given"),
         ("head_split", config.head_split, heads.head_split, "HeadLayout.head_split"),
-        ("num_chunks", config.num_chunks, heads.num_chunks, "HeadLayout.num_chunks"),
+        ("num_chunks", chunks, heads.num_chunks, "HeadLayout.num_chunks"),
         ("token_layout", config.token_layout, layout.kind, "TokenLayout.kind"),
     ]
     for key, want, got, what in pairs:
         if want != got:
-            raise ValueError(f"{flag_name(key)}={getattr(want, 'value', want)} but {what} is "
-                             f"{getattr(got, 'value', got)}")
+            shown = getattr(want, "value", want)
+            if key == "num_chunks" and config.num_chunks != chunks:
+                shown = (f"{config.num_chunks} (= {chunks} for {heads.num_q_heads} query / {heads.num_kv_heads} K/V "
+                         f"heads at head_split {config.head_split})")
+            raise ValueError(f"{flag_name(key)}={shown} but {what} is {getattr(got, 'value', got)}")
 
 
 def plan_pool(

@@ -73,6 +73,19 @@ def test_config_that_disagrees_with_the_layouts_names_the_flag(field, value, fla
         plan_pool(segs, bad, layout, heads)
 
 
+def test_num_chunks_auto_is_checked_as_it_resolves_for_the_heads():
+    """A YAML's ``num_chunks: auto`` plans the pool its heads resolve it to (``LibraConfig.chunks_for``: the K/V heads
+    of one head shard), the same plan as the explicit M; heads with another M are an error naming the flag and the
+    arithmetic."""
+    segs, config, layout, heads = setup(P=2, cp=2, H=2, M=2, seed=3)  # 16 query / 4 K/V heads: auto = 4 / 2 = 2
+    auto = dataclasses.replace(config, num_chunks="auto")
+    assert plan_pool(segs, auto, layout, heads).fingerprint == plan_pool(segs, config, layout, heads).fingerprint
+    other = HeadLayout(heads.num_q_heads, heads.num_kv_heads, heads.head_dim, 2, 1)
+    with pytest.raises(ValueError, match=r"--libra-num-chunks=auto \(= 2 for 16 query / 4 K/V heads at head_split 2\) "
+                                         r"but HeadLayout.num_chunks is 1"):
+        plan_pool(segs, auto, layout, other)
+
+
 @pytest.mark.parametrize("tiling,kv_fetch", [("uniform", "group"), ("adaptive", "prefix"), ("uniform", "prefix"),
                                              ("adaptive", "group")])
 def test_tiling_and_kv_fetch_from_the_config_reach_the_plan(tiling, kv_fetch):
