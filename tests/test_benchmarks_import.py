@@ -20,3 +20,18 @@ def test_benchmark_script_imports(path, monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)  # __main__ guard: defines, does not run
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_planner_stall_benchmark_runs_the_shipped_yaml_through_a_planner_process():
+    """The README's stall command, shrunk: the shipped 256K YAML (``num_chunks: auto``) planned by a planner process
+    beside the stand-in loop; it must finish and print the process row with pools planned (it once stopped on a
+    ValueError that only a run could show)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "bench_planner_stall.py"), "--seconds", "0.5", "--pools", "1",
+                          "--modes", "none", "process", "--cases", "256K", "--traces", "linux"],
+                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("256K")]
+    assert [r[2] for r in rows] == ["none", "process"], out.stdout
+    assert int(rows[1][7]) > 0, out.stdout  # pools planned while the loop ran
