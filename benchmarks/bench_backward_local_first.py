@@ -8,7 +8,8 @@ and has arrived): place dO's self segment, run the backward of the local entries
 self-sourced key tails (with the saved O and lse, FlashAttention's backward of a key subset is exact), wait dO,
 place the rest, run the remote entries and the split entries' heads (no mask) and add the split entries' two
 dQ parts in fp32. Each part pays what the runtime would launch for it: gathers of its Q, O, dO rows and lse,
-its packed K|V, its kernel, dQ rows placed, and its dK|dV cat + widen + add.
+its packed K|V, its kernel, dQ rows placed, and its packed dK, dV rows copied into the chunk's (whose sums are
+then the shipped ``schedule._dkv_sums``).
 
 Side by side on the same pool plans (shipped knobs, save mode ARRANGED, peers coupled, ``plan_layer_timing``):
     shipped      the backward as the runtime runs it
@@ -47,27 +48,25 @@ SEQ = {"256K": (262144, 8, "configs/libra/256k.yaml"), "1M": (1048576, 16, "conf
 
 
 def _part_backward(rk, lens, m: int, tag: str, causal: bool = True) -> int:
-    """One entry set's backward call with what it gathers and scatters; returns its query rows."""
+    """One entry set's backward call with what it gathers; returns its query rows (its packed dK, dV rows join the
+    chunk's, summed by the shipped ``schedule._dkv_sums``)."""
     sz, n, nk = rk.sz, sum(lens.q_lens), sum(lens.k_lens)
     for _ in "QOD":  # its Q, O and dO rows
         rk.copy("gather", n, sz.q, tag, m)
     rk.copy("gather", n, sz.qp * sz.lse, tag, m)
     rk.packed_kv(nk, tag, m)
     rk.kernel("bwd", lens.q_lens, lens.k_lens, tag, m, causal)
-    rk.cat(nk, sz.kv, "dkv", m)
-    rk.cast(nk, sz.kv, sz.dkv_acc, "dkv", m)
-    rk.copy("add", nk, sz.dkv_acc, "dkv", m)
+    for _ in "KV":  # its packed dK and dV rows copied into the chunk's packed buffers
+        rk.copy("elementwise", nk, sz.k, "dkv", m)
     return n
 
 
-def _local_first_chunk(shipped, ranks: set):
-    """``schedule._bwd_chunk`` with chunk 0 local-first on ``ranks`` (module docstring)."""
-    def chunk(rk, pending, m, fresh):
+def _local_first_kernel(shipped, ranks: set):
+    """``schedule._bwd_kernel`` with chunk 0 local-first on ``ranks`` (module docstring)."""
+    def kernel(rk, pending, m):
         t, sz = rk.t, rk.sz
         if m != 0 or rk.rank not in ranks or t.local is None or "q" in pending:
-            return shipped(rk, pending, m, fresh)
-        if fresh:
-            rk.fill(t.kv_target_len, sz.dkv_acc, "dkv", m)
+            return shipped(rk, pending, m)
         rk.self_placed(pending["do"], sz.q, "do", m)
         rk.copy("place", _part_backward(rk, t.local, m, "local"), sz.q, "local", m)
         rk.rest_placed(pending["do"], sz.q, "do", m)
@@ -79,17 +78,17 @@ def _local_first_chunk(shipped, ranks: set):
             rk.cast(n, sz.q, sz.q_acc, "merge", m)
             rk.cast(n, sz.q_acc, sz.q, "merge", m)
             rk.copy("place", n, sz.q, "merge", m)
-    return chunk
+    return kernel
 
 
 @contextlib.contextmanager
 def local_first(ranks: set):
-    shipped = schedule._bwd_chunk
-    schedule._bwd_chunk = _local_first_chunk(shipped, ranks)
+    shipped = schedule._bwd_kernel
+    schedule._bwd_kernel = _local_first_kernel(shipped, ranks)
     try:
         yield
     finally:
-        schedule._bwd_chunk = shipped
+        schedule._bwd_kernel = shipped
 
 
 def layer_ms(plan, model, ranks=frozenset()) -> float:

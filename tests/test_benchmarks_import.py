@@ -35,3 +35,17 @@ def test_planner_stall_benchmark_runs_the_shipped_yaml_through_a_planner_process
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("256K")]
     assert [r[2] for r in rows] == ["none", "process"], out.stdout
     assert int(rows[1][7]) > 0, out.stdout  # pools planned while the loop ran
+
+
+def test_backward_local_first_study_still_hooks_the_schedule():
+    """``bench_backward_local_first.py`` swaps ``plan.exchange.schedule._bwd_kernel`` for its candidate (it broke once
+    when the schedule's functions were renamed): one real linux pool, and the candidate's layer differs from the
+    shipped one, so the swap reached the op lists."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "bench_backward_local_first.py"), "--pools", "1", "--trace", "linux"],
+                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pool = next(line.split() for line in out.stdout.splitlines() if line.strip().startswith("pool 0:"))
+    shipped, every = float(pool[3]), float(pool[6])
+    assert shipped > 0 and every != shipped, out.stdout
