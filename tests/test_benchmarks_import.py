@@ -22,30 +22,33 @@ def test_benchmark_script_imports(path, monkeypatch):
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
 
 
+
+def _run_bench(name: str, *args: str) -> str:
+    """A benchmark script's stdout, run as the README runs it (from the repository root); it must exit 0."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True, timeout=600,
+                         cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_planner_stall_benchmark_runs_the_shipped_yaml_through_a_planner_process():
     """The README's stall command, shrunk: the shipped 256K YAML (``num_chunks: auto``) planned by a planner process
     beside the stand-in loop; it must finish and print the process row with pools planned (it once stopped on a
     ValueError that only a run could show)."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, str(BENCH / "bench_planner_stall.py"), "--seconds", "0.5", "--pools", "1",
-                          "--modes", "none", "process", "--cases", "256K", "--traces", "linux"],
-                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("256K")]
-    assert [r[2] for r in rows] == ["none", "process"], out.stdout
-    assert int(rows[1][7]) > 0, out.stdout  # pools planned while the loop ran
+    stdout = _run_bench("bench_planner_stall.py", "--seconds", "0.5", "--pools", "1", "--modes", "none", "process",
+                        "--cases", "256K", "--traces", "linux")
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("256K")]
+    assert [r[2] for r in rows] == ["none", "process"], stdout
+    assert int(rows[1][7]) > 0, stdout  # pools planned while the loop ran
 
 
 def test_backward_local_first_study_still_hooks_the_schedule():
     """``bench_backward_local_first.py`` swaps ``plan.exchange.schedule._bwd_kernel`` for its candidate (it broke once
     when the schedule's functions were renamed): one real linux pool, and the candidate's layer differs from the
     shipped one, so the swap reached the op lists."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, str(BENCH / "bench_backward_local_first.py"), "--pools", "1", "--trace", "linux"],
-                         capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    pool = next(line.split() for line in out.stdout.splitlines() if line.strip().startswith("pool 0:"))
+    stdout = _run_bench("bench_backward_local_first.py", "--pools", "1", "--trace", "linux")
+    pool = next(line.split() for line in stdout.splitlines() if line.strip().startswith("pool 0:"))
     shipped, every = float(pool[3]), float(pool[6])
-    assert shipped > 0 and every != shipped, out.stdout
+    assert shipped > 0 and every != shipped, stdout

@@ -31,17 +31,19 @@ RELAY_SENDER_CUTS = (0.95, 0.99)  # relay candidates besides every home run (mod
 RELAY_STRIPE_UNITS = 512  # the striped relay's least stripe, in KV units (tokens of one KV class)
 
 
-def relay_runs(kv: UnitRuns, nodes: np.ndarray, senders: Optional[np.ndarray] = None,
-               stripe: Optional[int] = None, kv_classes: int = 1):
-    """(hop-1 KV runs, relay runs or None) (module docstring, "Relay"); ``senders`` (bool [W]): relay only the
-    home runs of these workers (None: every worker's); ``stripe``: the striped layout with stripes of at least
-    this many units (None: single); ``kv_classes``: G, the stride of a KV run's source units.
+def relay_runs(kv: UnitRuns, nodes: np.ndarray, kv_classes: int, senders: Optional[np.ndarray] = None,
+               stripe: Optional[int] = None):
+    """(hop-1 KV runs, relay runs or None) (module docstring, "Relay"); ``kv_classes``: G, the stride of a KV run's
+    source units; ``senders`` (bool [W]): relay only the home runs of these workers (None: every worker's);
+    ``stripe``: the striped layout with stripes of at least this many units (None: single).
 
     KV runs of one home run (same src and src_start: same K/V class, same first row) fetched by several
     destinations on one node other than the source's: single, only the longest (the relay R; lowest rank on ties)
     stays on the KV route and every other destination w gets a relay run R -> w of its own count, from R's
     arranged rows [tgt_R, +count_w) to its rows [tgt_w, +count_w); striped, ``_striped_runs``. Relay runs come
     sorted by (dst, tgt)."""
+    if stripe is not None and stripe < 1:
+        raise ValueError(f"the relay's least stripe must be >= 1 unit, got {stripe}")
     node = np.asarray(nodes, dtype=np.int64)
     cross = np.flatnonzero(node[kv.src] != node[kv.dst])
     if senders is not None:
@@ -75,8 +77,6 @@ def _striped_runs(kv: UnitRuns, order: np.ndarray, first: np.ndarray, stripe: in
     need; the cut is split into n = clip(length // ``stripe``, 1, i + 1) near-equal stripes owned by members
     i, i - 1, ..., i - n + 1. Each stripe is one hop-1 run home -> owner and one relay run owner -> every other
     member of 0..i. Returns (hop-1 runs sorted by (dst, tgt), relay runs sorted by (dst, tgt))."""
-    if stripe < 1:
-        raise ValueError(f"the relay's least stripe must be >= 1 unit, got {stripe}")
     group = np.cumsum(first) - 1
     start = np.flatnonzero(first)
     size = np.diff(np.append(start, order.size))
@@ -126,7 +126,7 @@ def choose_relay(q_runs: UnitRuns, kv_runs: UnitRuns, q_len, kv_len, varlen, hea
         [None] + _distinct([seconds >= cut * seconds.max() for cut in RELAY_SENDER_CUTS])
     best = None
     for senders in sets:
-        hop1, runs = relay_runs(kv_runs, timing.nodes(W), senders, stripe, heads.num_kv_classes)
+        hop1, runs = relay_runs(kv_runs, timing.nodes(W), heads.num_kv_classes, senders, stripe)
         if runs is None:
             continue
         r_peers = frozen_int64(peer_units(q_runs, hop1, W))
