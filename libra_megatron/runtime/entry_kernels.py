@@ -1,6 +1,7 @@
 """Kernel calls of ``runtime.libra_attn`` on a chunk's buffers at the destination (forward), with the copies that
-feed them: packed K/V gathered per varlen entry, queries gathered per entry set, outputs scattered back, and the
-log-sum-exp merge of split entries. ``cx`` is ``libra_attn``'s call context (its plan, tables, backend, scale).
+feed them: packed K/V gathered per varlen entry, an entry set's queries read as a slice of the arranged buffer
+(``DeviceEntrySet.q_span``; a gather where the set is not one slice, or reads a send buffer), its outputs copied
+back into that slice (else scattered), and the log-sum-exp merge of split entries. ``cx`` is ``libra_attn``'s call context (its plan, tables, backend, scale).
 
 Shape legend (one rank, chunk m):
     qp, kp  q_piece, kv_piece        d  head dim
@@ -28,13 +29,32 @@ def fwd_chunk(cx, q_arr, kv_arr):
     return cx.kernel(cx.backend.fwd, q_arr, k_pk, v_pk, cx.tables.batch, cx.scale)
 
 
+def _read_rows(cx, arranged, part, rows=None):
+    """The set's rows of an arranged buffer (n, ...): a view of its slice (``part.q_span``), else a gather of
+    ``part.q_rows`` (or of ``rows``, in a send buffer)."""
+    if rows is None and part.q_span is not None:
+        return arranged.narrow(0, *part.q_span)
+    return arranged.index_select(0, part.q_rows if rows is None else rows)
+
+
+def _write_rows(o_arr, lse, part, out, part_lse) -> None:
+    """out (n, qp, d) / part_lse (qp, n) into the set's rows of o_arr (nq, qp, d) / lse (qp, nq): one dense copy
+    each into the slice (``part.q_span``), else a scatter."""
+    if part.q_span is not None:
+        o_arr.narrow(0, *part.q_span).copy_(out)
+        lse.narrow(1, *part.q_span).copy_(part_lse)
+        return
+    o_arr.index_put_((part.q_rows,), out)
+    lse.T.index_put_((part.q_rows,), part_lse.T)
+
+
 def part_kernel(cx, q_arr, kv_arr, part, causal: bool = True, rows=None):
-    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``) on gathered queries and keys (rows
-    ``part.q_rows`` / ``part.k_gather``, or ``rows``): (out (n, qp, d), lse (qp, n))."""
+    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``) on its queries (``_read_rows``) and
+    gathered keys (rows ``part.k_gather``, or ``rows`` = (query, key) rows in send buffers): (out (n, qp, d),
+    lse (qp, n))."""
     kp = cx.plan.heads.kv_piece
-    q_rows, k_rows = (part.q_rows, part.k_gather) if rows is None else rows
-    packed = kv_arr.index_select(0, k_rows)
-    q_part = q_arr.index_select(0, q_rows)
+    packed = kv_arr.index_select(0, part.k_gather if rows is None else rows[1])
+    q_part = _read_rows(cx, q_arr, part, None if rows is None else rows[0])
     if causal:
         return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale)
     return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale, False)
@@ -43,25 +63,24 @@ def part_kernel(cx, q_arr, kv_arr, part, causal: bool = True, rows=None):
 def merge_heads(cx, o_arr, lse, part, head_out, head_lse) -> None:
     """Split entries: merge the key-tail result already in o_arr / lse rows ``part.q_rows`` with the result
     over the keys before the tail, by log-sum-exp, in fp32 (fp64 for fp64), written back in place."""
-    rows, acc = part.q_rows, cx.acc_dtype
-    tail_lse, tail_out = lse.T.index_select(0, rows).to(acc), o_arr.index_select(0, rows).to(acc)  # (n, qp)
+    acc = cx.acc_dtype
+    tail_lse, tail_out = _read_rows(cx, lse.T, part).to(acc), _read_rows(cx, o_arr, part).to(acc)  # (n, qp)
     head_lse = head_lse.T.to(acc)
     merged = torch.logaddexp(tail_lse, head_lse)
     out = tail_out * torch.exp(tail_lse - merged)[..., None] + head_out.to(acc) * torch.exp(head_lse - merged)[..., None]
-    o_arr.index_put_((rows,), out.to(o_arr.dtype))
-    lse.T.index_put_((rows,), merged.to(lse.dtype))
+    _write_rows(o_arr, lse, part, out.to(o_arr.dtype), merged.T.to(lse.dtype))
 
 
 def fwd_part(cx, q_arr, kv_arr, part, o_arr=None, lse=None, rows=None, nq=None):
-    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``): gather their queries and keys, scatter
+    """Kernel forward of the entries of ``part`` (a ``DeviceEntrySet``): read their queries, gather their keys, write
     out (n, qp, d) and lse (qp, n) into the chunk's o_arr (nq, qp, d) / lse (qp, nq) rows (each row belongs to
-    exactly one entry); the buffers are made, in the kernel's output dtypes, when None. ``rows``, ``nq``: the
-    (query, key) rows to gather and the arranged Q rows when q_arr / kv_arr are send buffers. Returns (o_arr, lse)."""
+    exactly one entry; ``_write_rows``); the buffers are made, in the kernel's output dtypes, when None. ``rows``,
+    ``nq``: the (query, key) rows to gather and the arranged Q rows when q_arr / kv_arr are send buffers. Returns
+    (o_arr, lse)."""
     out, part_lse = part_kernel(cx, q_arr, kv_arr, part, rows=rows)
     if o_arr is None:
         nq = q_arr.shape[0] if nq is None else nq
         o_arr = out.new_empty((nq,) + tuple(out.shape[1:]))
         lse = part_lse.new_empty((part_lse.shape[0], nq))
-    o_arr.index_put_((part.q_rows,), out)
-    lse.T.index_put_((part.q_rows,), part_lse.T)
+    _write_rows(o_arr, lse, part, out, part_lse)
     return o_arr, lse

@@ -183,7 +183,8 @@ class _Chunk:
             self.o_arr, self.lse = fwd_chunk(self.cx, self.q_arr, kv_chunk.kv_arr)
         else:
             part = self.cx.tables.local
-            q, q_rows = (self.q_arr, part.q_rows) if self.q_arr is not None else (self.q_src, part.q_self)
+            # the arranged Q once placed (its slice: ``DeviceEntrySet.q_span``), else the send buffer's self segment
+            q, q_rows = (self.q_arr, None) if self.q_arr is not None else (self.q_src, part.q_self)
             kv, k_rows = (kv_chunk.kv_arr, part.k_gather) if kv_chunk.kv_arr is not None else (kv_chunk.kv_src, part.k_self)
             self.o_arr, self.lse = fwd_part(self.cx, q, kv, part, self.o_arr, self.lse, (q_rows, k_rows),
                                              self.q_pend.index.num_target_rows())

@@ -146,6 +146,9 @@ class DeviceEntrySet:
     # dispatch's send buffer, read before the dispatch is waited; None where the route does not fill its target
     q_self: Optional[torch.Tensor] = None
     k_self: Optional[torch.Tensor] = None
+    # (first row, rows) when ``q_rows`` is one slice of the arranged buffers (host ints, ``EntryLens.q_span``): the set
+    # reads its queries as a view and writes its outputs with one dense copy
+    q_span: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -261,7 +264,7 @@ def upload_tables(tables: RankTables, device) -> DeviceTables:
             kv_inv=RouteIndex(kv_arr, kv_rows, tables.kv_back_splits, accumulate=True),
         ))
     sets = [DeviceEntrySet(rows[id(part.q_rows)], rows[id(part.k_gather)],
-                           _varlen_batch(offsets[2 + 2 * i], offsets[3 + 2 * i], part))
+                           _varlen_batch(offsets[2 + 2 * i], offsets[3 + 2 * i], part), q_span=part.q_span)
             for i, part in enumerate(tables.entry_sets())]
     local, remote, heads = (sets + [None, None, None])[:3] if sets else (None, None, None)
     if tables.local is not None:

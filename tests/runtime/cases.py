@@ -69,6 +69,7 @@ def make_cases(world_size: int, seed: int, count: int) -> List[dict]:
             nodes=tuple(w // 2 for w in range(world_size)) if world_size >= 4 and i % 3 else None,
             twin=world_size >= 4 and i % 3 > 0 and i % 2 == 1,  # (a twin is made by every rank of the world at once)
             stripe=1 if i % 4 >= 2 else None,  # relaying cases: the striped relay (>= 1 unit a stripe), else single
+            hosted=i % 5 == 2,  # entries in hosted order: entry sets interleave (gathered, scattered), else sliced
         ))
     return cases
 
@@ -84,7 +85,8 @@ def build_plan(case):
 
 def _build(case, rank_override_assign=None, with_tiles=False):
     from libra_megatron.config import TilePlacement
-    from libra_megatron.plan.exchange import build_exchange_plan
+    from libra_megatron.plan.exchange import validate_plan
+    from libra_megatron.plan.exchange.builder import _build_exchange_plan
     from libra_megatron.plan.layout import HeadLayout, TokenLayout
     from libra_megatron.plan.tiles import place_tiles
     from libra_megatron.plan.tiles import build_tiles
@@ -106,7 +108,9 @@ def _build(case, rank_override_assign=None, with_tiles=False):
         from libra_megatron.plan.model import StepTimeModel
 
         timing = StepTimeModel(case["d"], worker_nodes=case["nodes"], kv_relay=True, **RELAY_MODEL)
-    plan = build_exchange_plan(tiles, assign, timing, relay_stripe=case.get("stripe"))
+    plan = _build_exchange_plan(tiles, assign, timing, relay_stripe=case.get("stripe"),
+                                group_by_kind=not case.get("hosted"))
+    validate_plan(plan, tiles)  # every structural invariant, before any rank runs it
     return (tiles, plan) if with_tiles else (layout, plan)
 
 

@@ -48,6 +48,23 @@ def _suite(world_size):
     return _RESULTS[world_size]
 
 
+def test_grouped_cases_slice_every_entry_set_and_hosted_cases_gather_some():
+    """The exactness cases run both paths of ``runtime.entry_kernels``: entry sets read as one slice of the arranged
+    buffers (entries grouped by kind, the builder's default) and gathered / scattered (hosted order)."""
+    from libra_megatron.plan.exchange import rank_tables
+
+    gathered = 0
+    for w in CASES_PER_WORLD:
+        for c in make_cases(w, seed=1000 + w, count=CASES_PER_WORLD[w]):
+            _, plan = build_plan(c)
+            spans = [part.q_span is not None for r in range(plan.num_workers)
+                     for part in rank_tables(plan.ranks[r]).entry_sets() if part.num_entries]
+            if not c["hosted"]:
+                assert all(spans), c
+            gathered += c["hosted"] and not all(spans)
+    assert gathered, "no hosted-order case has an entry set that is not one slice"
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_forward_and_grads_match_reference_across_pools_layouts_gqa_and_placements(world_size):
     cases, _, _, results, _, _ = _suite(world_size)

@@ -37,7 +37,7 @@ HEADS = [(8, 1, 1, 4), (8, 2, 2, 2), (4, 4, 1, 1), (8, 1, 2, 4), (16, 4, 2, 2), 
 def _plan(spec):
     """The ExchangePlan of a case spec (plain dict)."""
     from libra_megatron.config import TilePlacement
-    from libra_megatron.plan.exchange import build_exchange_plan
+    from libra_megatron.plan.exchange.builder import _build_exchange_plan
     from libra_megatron.plan.layout import HeadLayout, TokenLayout
     from libra_megatron.plan.model import StepTimeModel
     from libra_megatron.plan.tiles import build_tiles, place_tiles
@@ -55,7 +55,9 @@ def _plan(spec):
     timing = None
     if spec.get("nodes"):
         timing = StepTimeModel(spec["d"], worker_nodes=spec["nodes"], kv_relay=True, **RELAY_MODEL)
-    return build_exchange_plan(tiles, assign, timing, relay_stripe=spec.get("stripe"))
+    # ``hosted``: entries in hosted order, so entry sets interleave (gathered and scattered, not sliced)
+    return _build_exchange_plan(tiles, assign, timing, relay_stripe=spec.get("stripe"),
+                                group_by_kind=not spec.get("hosted"))
 
 
 def _runs(spec):
@@ -93,7 +95,8 @@ def specs(draw, world):
                 assign=draw(st.sampled_from(["home", "random", "alg2"])), seed=draw(st.integers(0, 2**30)),
                 lead=draw(st.sampled_from([None, -1, 0, 1, M, M + 1])),
                 nodes=(0, 0, 1, 1) if world == 4 and draw(st.booleans()) else None)
-    return dict(spec, stripe=1 if spec["seed"] % 2 else None)  # a relay striped or single (no draw: same stream)
+    # a relay striped or single, entries grouped by kind or in hosted order (no draw: the same stream as before)
+    return dict(spec, stripe=1 if spec["seed"] % 2 else None, hosted=spec["seed"] % 3 == 0)
 
 
 def _partition(draw, L):
@@ -261,7 +264,7 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
 
     runs, _, _, _, generated = _suite(world)
     seen = dict(save_mode=set(), relay=set(), split=set(), M=set(), H=set(), shared_kv=set(), elem=set(), fp32_wire=set(),
-                kv_rows_read=set(), striped=set())
+                kv_rows_read=set(), striped=set(), sliced=set())
     for run in runs:
         spec, tables = run["spec"], [rank_tables(rp) for rp in run["plans"]]
         seen["save_mode"].add(run["save_mode"])
@@ -273,12 +276,14 @@ def test_cases_cover_save_modes_relay_split_chunks_and_heads(world):
         seen["elem"].add(spec["elem"])
         seen["fp32_wire"].add(spec["elem"] == 2 and not run["plans"][0].heads.kv_return_chunks().all())
         seen["kv_rows_read"].update(t.kv_rows_read for t in tables)  # dK|dV sums from first rows, or from zeros
+        # entry sets read as one slice of the arranged Q, or gathered (hosted order, sets interleaved)
+        seen["sliced"].update(part.q_span is not None for t in tables for part in t.entry_sets() if part.num_entries)
         if spec.get("stripe") and any(t.relay_send is not None for t in tables):  # striped: not the single relay's plan
             seen["striped"].add(_plan(dict(spec, stripe=None)).fingerprint != run["plans"][0].fingerprint)
     assert seen["save_mode"] == {"arranged", "refetch"} and seen["split"] == {True, False}
     assert seen["M"] == seen["H"] == {1, 2, 4} and seen["shared_kv"] == {True, False}
     assert seen["elem"] == {2, 4, 8} and True in seen["fp32_wire"]  # fp16 dK|dV sums home in fp32
-    assert seen["kv_rows_read"] == {True, False}
+    assert seen["kv_rows_read"] == {True, False} and seen["sliced"] == {True, False}
     assert seen["relay"] == ({"off", "relay", "pool"} if world == 4 else {"off"}), seen["relay"]
     assert True in seen["striped"] if world == 4 else not seen["striped"]
     steps = {(phase, op.tag, type(op).__name__) for per_rank in generated for ops in per_rank

@@ -10,9 +10,10 @@ import numpy as np
 from ..errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .records import ExchangePlan, expand_runs, frozen_int64
+from .arranged_order import group_entries_by_kind
 from .relay import choose_relay
 from .tables import LazyRankPlans, PlanTables, RunIndex, UnitRuns, Varlen, bytes_sent, fingerprint, hosted_pair_heads, \
-    peer_units
+    peer_units, pool_kinds
 
 __all__ = ["build_exchange_plan"]
 
@@ -148,9 +149,10 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_stripe
     """Turn a tile assignment (``assignment[t]`` = destination worker of tile t) into an ExchangePlan.
 
     Per destination, hosted tiles are ordered by (h, sequence, block start); the arranged Q buffer is
-    their query units in that order. Every referenced KV group g=(doc, h) (Eq. 7) is fetched once per
-    destination, rows [0, p) in doc-position order with p the largest ``tiles.frag_kv_end`` of its tiles
-    there (the whole doc under KvFetch.GROUP, the causal prefix under PREFIX), groups ordered by (h, doc).
+    their query units in that order, then regrouped by entry kind: remote, split, local entries, each group in
+    that order (``arranged_order``: every entry set of the local-first split is one slice). Every referenced KV
+    group g=(doc, h) (Eq. 7) is fetched once per destination, rows [0, p) in doc-position order with p the largest
+    ``tiles.frag_kv_end`` of its tiles there (the whole doc under KvFetch.GROUP, the causal prefix under PREFIX), groups ordered by (h, doc).
     Varlen entries are (tile, doc fragment) pairs, consecutive entries of one group with continuing rows
     merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
@@ -164,9 +166,10 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_stripe
 
 
 def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_senders=None,
-                         relay_stripe=None) -> ExchangePlan:
+                         relay_stripe=None, group_by_kind: bool = True) -> ExchangePlan:
     """``build_exchange_plan``; ``relay_senders`` (bool [W], tests) relays exactly the home runs of these
-    workers whenever ``timing.kv_relay`` (no pricing)."""
+    workers whenever ``timing.kv_relay`` (no pricing); ``group_by_kind=False`` (tests) keeps the hosted order, so
+    entry sets interleave (the runtime's gather / scatter path for sets that are not one slice)."""
     assignment = _check_assignment(tiles, assignment)
     W, heads = tiles.num_workers, tiles.heads
     order = _hosted_order(tiles, assignment)
@@ -180,6 +183,9 @@ def _build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_sende
                                                                         timing, peers, hosted, relay_senders,
                                                                         relay_stripe)
         lead = frozen_int64(lead)
+    if group_by_kind:
+        kinds, _ = pool_kinds(q_runs, kv_runs, q_len, kv_len, varlen, relay)
+        q_runs, varlen = group_entries_by_kind(q_runs, varlen, kinds, q_len, heads.head_split)
     sent = bytes_sent(q_runs, kv_runs, heads, W, relay)
     fp = fingerprint(tiles, assignment, q_runs, pairs, varlen, relay)
     tables = PlanTables(

@@ -98,7 +98,7 @@ def pool_rank_sizes(plan) -> Tuple[RankSizes, ...]:
 
 
 def _lens(entries) -> tuple:
-    return None if entries is None else (entries.q_lens, entries.k_lens)
+    return None if entries is None else (entries.q_lens, entries.k_lens, entries.q_span is not None)
 
 
 def _route(splits) -> tuple:

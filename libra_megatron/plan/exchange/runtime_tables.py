@@ -135,6 +135,9 @@ class EntryLens:
 
     q_lens: Tuple[int, ...]
     k_lens: Tuple[int, ...]
+    # (first arranged-Q row, rows) when the set's entries are consecutive entries of the rank, so its queries are
+    # one slice of the arranged buffers (``plan.exchange.arranged_order`` makes every set one); None otherwise
+    q_span: Optional[Tuple[int, int]] = None
 
     @property
     def num_entries(self) -> int:
@@ -142,7 +145,16 @@ class EntryLens:
 
     @staticmethod
     def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray) -> "EntryLens":
-        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()))
+        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()), q_span(q_lens, keep))
+
+
+def q_span(q_lens: np.ndarray, keep: np.ndarray) -> Optional[Tuple[int, int]]:
+    """(first arranged-Q row, rows) of the entries ``keep`` (bool [n]) when they are consecutive and not empty, else
+    None: the rank's entries partition its arranged Q rows in entry order."""
+    idx = np.flatnonzero(keep)
+    if idx.size == 0 or idx[-1] - idx[0] + 1 != idx.size:
+        return None
+    return int(q_lens[: idx[0]].sum()), int(q_lens[idx].sum())
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -169,7 +181,7 @@ class EntrySet(EntryLens):
             q_rows=RowRuns.make(cu_q[:-1][keep], q_lens, 1, q_bound),
             k_gather=RowRuns.make(k_start[keep], k_lens[keep], 1, kv_bound),
             cu_q=_cu32(q_lens), cu_k=_cu32(k_lens[keep]),
-            q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()),
+            q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()), q_span=q_span(np.diff(cu_q), keep),
         )
 
 

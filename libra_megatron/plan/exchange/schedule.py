@@ -217,30 +217,39 @@ class _Rank:
         self.packed_kv(sum(self.t.k_lens), "kv", m)
         self.kernel("fwd", self.t.q_lens, self.t.k_lens, "all", m)
 
-    def part_kernel(self, part, m: int, tag: str, causal: bool = True) -> None:
-        """``runtime.entry_kernels.part_kernel``: gather the part's keys and queries, one kernel call."""
+    def part_kernel(self, part, m: int, tag: str, causal: bool = True, arranged: bool = True) -> None:
+        """``runtime.entry_kernels.part_kernel``: gather the part's keys, read its queries (a view of its slice of the
+        arranged Q, ``q_span``; a gather where it has none or ``arranged`` is False: it reads a send buffer), one
+        kernel call."""
         self.packed_kv(sum(part.k_lens), tag, m)
-        self.copy("gather", sum(part.q_lens), self.sz.q, tag, m)
+        if not (arranged and part.q_span is not None):
+            self.copy("gather", sum(part.q_lens), self.sz.q, tag, m)
         self.kernel("fwd", part.q_lens, part.k_lens, tag, m, causal)
 
-    def fwd_part(self, part, m: int, tag: str) -> None:
-        """``runtime.entry_kernels.fwd_part``: the part's kernel, then its out and lse rows scattered into the chunk's
+    def write_rows(self, part, out_row_bytes: int, tag: str, m: int) -> None:
+        """``runtime.entry_kernels._write_rows``: out and lse rows into the part's slice (a dense copy each), else
+        scattered."""
+        n, kind = sum(part.q_lens), "elementwise" if part.q_span is not None else "place"
+        for row_bytes in (out_row_bytes, self.sz.qp * self.sz.lse):
+            self.copy(kind, n, row_bytes, tag, m)
+
+    def fwd_part(self, part, m: int, tag: str, arranged: bool = True) -> None:
+        """``runtime.entry_kernels.fwd_part``: the part's kernel, then its out and lse rows written into the chunk's
         buffers."""
-        self.part_kernel(part, m, tag)
-        n = sum(part.q_lens)
-        self.copy("place", n, self.sz.q, tag, m)
-        self.copy("place", n, self.sz.qp * self.sz.lse, tag, m)
+        self.part_kernel(part, m, tag, arranged=arranged)
+        self.write_rows(part, self.sz.q, tag, m)
 
     def merge_heads(self, m: int) -> None:
         """``runtime.entry_kernels.merge_heads``: read the tails' lse and out rows, write the merged rows back."""
-        n, sz = sum(self.t.heads.q_lens), self.sz
-        self.copy("gather", n, sz.qp * sz.lse, "merge", m)
-        self.copy("gather", n, sz.q, "merge", m)
+        part, sz = self.t.heads, self.sz
+        n = sum(part.q_lens)
+        if part.q_span is None:
+            self.copy("gather", n, sz.qp * sz.lse, "merge", m)
+            self.copy("gather", n, sz.q, "merge", m)
         self.cast(n, sz.q, sz.q_acc, "merge", m)  # the tail's out, then the head's, in the accumulation dtype
         self.cast(n, sz.q, sz.q_acc, "merge", m)
         self.cast(n, sz.q_acc, sz.q, "merge", m)  # the merged out back (the log-sum-exp arithmetic: not priced)
-        self.copy("place", n, sz.q, "merge", m)
-        self.copy("place", n, sz.qp * sz.lse, "merge", m)
+        self.write_rows(part, sz.q, "merge", m)
 
 
 class _FwdChunk:
@@ -254,6 +263,7 @@ class _FwdChunk:
         self.head = False
         self.tails_done = False
         self.has_out = False
+        self.arrived = False  # the chunk's arranged Q is placed (the local set reads it, not the send buffer)
         # split: the local set reads the send buffers' self segments (``DeviceEntrySet.q_self`` / ``k_self``); the
         # self segment is placed first only for the whole-chunk call or a route that does not fill its target
         self.q_placed_first = split and self.whole
@@ -269,7 +279,7 @@ class _FwdChunk:
         if self.whole:
             self.rk.fwd_whole(self.m)
         else:
-            self.rk.fwd_part(self.rk.t.local, self.m, "local")
+            self.rk.fwd_part(self.rk.t.local, self.m, "local", arranged=self.q_placed_first or self.arrived)
         self.has_out = True
         self.tails_done = True
         self._merge()
@@ -282,6 +292,7 @@ class _FwdChunk:
     def arrive(self, sends_only: list) -> None:
         rk, m = self.rk, self.m
         (rk.rest_placed if self.q_placed_first else rk.placed)(self.q_pend, rk.sz.q, "q", m)
+        self.arrived = True
         if self.kv_pend is not None:
             (rk.rest_placed if self.kv_placed_first else rk.placed)(self.kv_pend, rk.sz.kv, "kv", m)
         relayed = self.relay_pend

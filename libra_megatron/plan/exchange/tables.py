@@ -22,7 +22,7 @@ from .local_entries import LOCAL, SPLIT, pool_entry_kinds
 from .records import IndexRuns, RankPlan, Route, frozen_int64
 
 __all__ = ["UnitRuns", "Varlen", "RunIndex", "PlanTables", "LazyRankPlans", "bytes_sent", "pair_units", "peer_units",
-           "hosted_pair_heads", "fingerprint"]
+           "hosted_pair_heads", "pool_kinds", "fingerprint"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,17 +192,24 @@ def peer_units(q: UnitRuns, kv: UnitRuns, num_workers: int) -> np.ndarray:
     return np.stack([pair_units(q, num_workers), pair_units(kv, num_workers)])
 
 
+def pool_kinds(q: UnitRuns, kv: UnitRuns, q_len, kv_len, varlen: Varlen, relay: Optional[UnitRuns] = None):
+    """(kinds int8 [n], tail - kv offset int64 [n]) of every varlen entry of every destination
+    (``local_entries.pool_entry_kinds``; relayed rows are foreign)."""
+    W = q_len.shape[0]
+    dst = np.repeat(np.arange(W, dtype=np.int64), np.diff(varlen.dst_ptr))
+    both = kv if relay is None else UnitRuns(*(np.concatenate([a, b]) for a, b in zip(kv.arrays(), relay.arrays())))
+    return pool_entry_kinds((q.src, q.dst, q.tgt_start, q.count), (both.src, both.dst, both.tgt_start, both.count),
+                            q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
+                            varlen.kv_offset, varlen.kv_offset + varlen.k_len)
+
+
 def hosted_pair_heads(q: UnitRuns, kv: UnitRuns, q_len, kv_len, varlen: Varlen, heads: HeadLayout,
                        relay: Optional[UnitRuns] = None) -> np.ndarray:
     """float64 [2, W]: (local, remote) Eq. 6 load per destination (``plan.exchange.local_entries``): local entries, and
     the self-sourced key tails of split entries, run before any dispatch arrives (relayed rows are foreign)."""
     W = q_len.shape[0]
     dst = np.repeat(np.arange(W, dtype=np.int64), np.diff(varlen.dst_ptr))
-    both = kv if relay is None else UnitRuns(*(np.concatenate([a, b]) for a, b in zip(kv.arrays(), relay.arrays())))
-    kinds, tail = pool_entry_kinds((q.src, q.dst, q.tgt_start, q.count),
-                                   (both.src, both.dst, both.tgt_start, both.count),
-                                   q_len, kv_len, dst, varlen.q_start, varlen.q_start + varlen.q_len,
-                                   varlen.kv_offset, varlen.kv_offset + varlen.k_len)
+    kinds, tail = pool_kinds(q, kv, q_len, kv_len, varlen, relay)
     hps = heads.q_heads_per_shard
     load = entry_pair_heads(varlen.q_len, varlen.k_len, hps).astype(np.float64)
     tail_load = entry_pair_heads(varlen.q_len, varlen.k_len - tail, hps).astype(np.float64)
