@@ -32,11 +32,11 @@ __all__ = ["SequenceStats", "PoolProxy", "FORWARD_WEIGHTS", "BACKWARD_WEIGHTS", 
 
 FEATURES = ("compute", "excess", "prefix", "documents", "tokens")
 # ``benchmarks/fit_pool_proxy.py`` (1630 pools, windows 8-13 of both traces, 256K 30B / 8B and 1M 30B; median
-# relative error 2-10% forward, 2-5% backward; docs/plan-algos.md), refitted after the runtime's copies got cheaper
-# (gathers instead of index_put_). The compute weights come out near the model's own (backward 2.45 ~
-# BACKWARD_FLOPS_FACTOR 2.5 x forward's 0.87 minus the forward's copies and exposure)
-FORWARD_WEIGHTS = (0.8656, 0.3215, 0.983, 0.0, 8.996)
-BACKWARD_WEIGHTS = (2.448, 0.1754, 1.501, 0.0, 7.272)
+# relative error 1.5-15% forward, 1.4-6.3% backward; docs/plan-algos.md), refitted after the arranged Q was grouped
+# by entry kind (each entry set one slice: fewer copies). The compute weights come out near the model's own
+# (backward 2.51 ~ BACKWARD_FLOPS_FACTOR 2.5 x forward's 0.90 minus the forward's copies and exposure)
+FORWARD_WEIGHTS = (0.8998, 0.2226, 0.5801, 0.0, 6.827)
+BACKWARD_WEIGHTS = (2.511, 0.2282, 0.7398, 0.0, 8.218)
 _TOKEN_BYTES_PER_SECOND = 1e12  # the tokens term's unit (1 TB/s): a scale, the weight carries the rate
 _DOCUMENT_TOKENS = 1024  # the documents term's unit: K/V of 1024 tokens per document (the weight carries the rest)
 
