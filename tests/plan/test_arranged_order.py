@@ -6,7 +6,8 @@ the same entries (kinds, key ranges), the same bytes -- with every entry set one
 import numpy as np
 from hypothesis import given, settings
 
-from libra_megatron.plan.exchange import build_exchange_plan, rank_tables, validate_plan
+from libra_megatron.plan.exchange import build_exchange_plan, rank_sizes, rank_tables, validate_plan
+from libra_megatron.plan.exchange.pool_sizes import pool_rank_sizes
 from libra_megatron.plan.exchange.arranged_order import KIND_ORDER
 from libra_megatron.plan.exchange.builder import _build_exchange_plan
 from libra_megatron.plan.exchange.local_entries import LOCAL, REMOTE, SPLIT, rank_entry_kinds
@@ -88,6 +89,13 @@ def _check_grouped(tiles, assign, timing=None):
             if part.num_entries:
                 start, rows = part.q_span
                 np.testing.assert_array_equal(part.q_rows.expand(), np.arange(start, start + rows))
+    for plan in (grouped, hosted):  # the pool-wide sizes (the planner's pricing) give every set's span as the rank's
+        for r, sizes in enumerate(pool_rank_sizes(plan)):
+            want = rank_sizes(plan.for_rank(r))
+            for name in ("local", "remote", "heads"):
+                got_set, want_set = getattr(sizes, name), getattr(want, name)
+                assert (got_set is None) == (want_set is None)
+                assert got_set is None or got_set.q_span == want_set.q_span, (r, name)
     return grouped
 
 

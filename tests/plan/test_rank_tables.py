@@ -172,7 +172,7 @@ def assert_size_fields(got, want, fields) -> set:
             assert (a is None) == (b is None), name
             if b is not None:
                 present.add(name)
-                assert (a.q_lens, a.k_lens) == (b.q_lens, b.k_lens), name
+                assert (a.q_lens, a.k_lens, a.q_span) == (b.q_lens, b.k_lens, b.q_span), name
         else:
             assert a == b, name
     return present

@@ -7,6 +7,7 @@
                     rank's lead
     kv_refs         which K/V rows a destination fetches (deduplicated per (sample, head shard) group)
     local_entries   which varlen entries need no received data (the Pipeliner's local-first split)
+    arranged_order  every destination's arranged Q grouped by entry kind (each entry set one slice)
     traffic         per-worker, per-chunk bytes of a plan, and their seconds under ``plan.model``
     schedule        one rank's op list of a layer, forward and backward, as the runtime issues it
     op_lists        every rank's op lists of a plan, phase by phase, cached across a pool's candidate plans

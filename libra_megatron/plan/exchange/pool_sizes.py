@@ -75,6 +75,7 @@ def pool_rank_sizes(plan) -> Tuple[RankSizes, ...]:
                                    v.q_start, v.q_start + q_lens, v.kv_offset, v.kv_offset + v.k_len)
     split = kinds == SPLIT
     local_k = np.where(split, v.k_len - tail, v.k_len)  # a split entry's local keys: its self-sourced tail
+    spans = [_spans(keep, dst, v.q_start, q_lens, W) for keep in (kinds != REMOTE, kinds == REMOTE, split)]
     q_matrix, kv_matrix = _split_matrix(tables.q, W), _split_matrix(tables.kv, W)
     relay_matrix = None if tables.relay is None else _split_matrix(tables.relay, W)
     out = []
@@ -89,12 +90,29 @@ def pool_rank_sizes(plan) -> Tuple[RankSizes, ...]:
         if relay_matrix is not None:
             fields["relay_splits"], fields["relay_back_splits"] = _splits(relay_matrix, r)
         if (kind != REMOTE).any():
-            fields["local"] = EntryLens.of(ql, kind != REMOTE, local_k[lo:hi])
-            fields["remote"] = EntryLens.of(ql, kind == REMOTE, kl)
+            fields["local"] = EntryLens.of(ql, kind != REMOTE, local_k[lo:hi], spans[0][r])
+            fields["remote"] = EntryLens.of(ql, kind == REMOTE, kl, spans[1][r])
             if split[lo:hi].any():
-                fields["heads"] = EntryLens.of(ql, split[lo:hi], tail[lo:hi])
+                fields["heads"] = EntryLens.of(ql, split[lo:hi], tail[lo:hi], spans[2][r])
         out.append(RankSizes(**fields))
     return tuple(out)
+
+
+def _spans(keep: np.ndarray, dst: np.ndarray, q_start: np.ndarray, q_lens: np.ndarray, W: int) -> list:
+    """Per rank, ``runtime_tables.q_span`` of its entries ``keep`` (bool [n], entries grouped by rank), all ranks at
+    once: (first row, rows) where the rank's kept entries are consecutive, else None."""
+    idx = np.flatnonzero(keep)
+    out = [None] * W
+    if not idx.size:
+        return out
+    d = dst[idx]
+    first = np.flatnonzero(np.concatenate([[True], d[1:] != d[:-1]]))
+    last = np.append(first[1:], idx.size) - 1
+    rows = np.add.reduceat(q_lens[idx], first)
+    whole = idx[last] - idx[first] == last - first  # consecutive entries
+    for r, start, n, ok in zip(d[first].tolist(), q_start[idx[first]].tolist(), rows.tolist(), whole.tolist()):
+        out[r] = (start, n) if ok else None
+    return out
 
 
 def _lens(entries) -> tuple:

@@ -144,8 +144,10 @@ class EntryLens:
         return len(self.q_lens)
 
     @staticmethod
-    def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray) -> "EntryLens":
-        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()), q_span(q_lens, keep))
+    def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray, span=()) -> "EntryLens":
+        """The entries ``keep``; ``span``: their ``q_span`` when the caller has it (``pool_sizes``), else computed."""
+        return EntryLens(tuple(q_lens[keep].tolist()), tuple(k_lens[keep].tolist()),
+                         q_span(q_lens, keep) if span == () else span)
 
 
 def q_span(q_lens: np.ndarray, keep: np.ndarray) -> Optional[Tuple[int, int]]:
