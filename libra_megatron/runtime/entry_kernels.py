@@ -1,7 +1,8 @@
 """Kernel calls of ``runtime.libra_attn`` on a chunk's buffers at the destination (forward), with the copies that
 feed them: packed K/V gathered per varlen entry, an entry set's queries read as a slice of the arranged buffer
 (``DeviceEntrySet.q_span``; a gather where the set is not one slice, or reads a send buffer), its outputs copied
-back into that slice (else scattered), and the log-sum-exp merge of split entries. ``cx`` is ``libra_attn``'s call context (its plan, tables, backend, scale).
+back into that slice (else scattered), and the log-sum-exp merge of split entries. ``cx`` is ``libra_attn``'s
+call context (its plan, tables, backend, scale).
 
 Shape legend (one rank, chunk m):
     qp, kp  q_piece, kv_piece        d  head dim
@@ -29,7 +30,7 @@ def fwd_chunk(cx, q_arr, kv_arr):
     return cx.kernel(cx.backend.fwd, q_arr, k_pk, v_pk, cx.tables.batch, cx.scale)
 
 
-def _read_rows(cx, arranged, part, rows=None):
+def _read_rows(arranged, part, rows=None):
     """The set's rows of an arranged buffer (n, ...): a view of its slice (``part.q_span``), else a gather of
     ``part.q_rows`` (or of ``rows``, in a send buffer)."""
     if rows is None and part.q_span is not None:
@@ -54,7 +55,7 @@ def part_kernel(cx, q_arr, kv_arr, part, causal: bool = True, rows=None):
     lse (qp, n))."""
     kp = cx.plan.heads.kv_piece
     packed = kv_arr.index_select(0, part.k_gather if rows is None else rows[1])
-    q_part = _read_rows(cx, q_arr, part, None if rows is None else rows[0])
+    q_part = _read_rows(q_arr, part, None if rows is None else rows[0])
     if causal:
         return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale)
     return cx.kernel(cx.backend.fwd, q_part, packed[:, :kp], packed[:, kp:], part.batch, cx.scale, False)
@@ -64,7 +65,7 @@ def merge_heads(cx, o_arr, lse, part, head_out, head_lse) -> None:
     """Split entries: merge the key-tail result already in o_arr / lse rows ``part.q_rows`` with the result
     over the keys before the tail, by log-sum-exp, in fp32 (fp64 for fp64), written back in place."""
     acc = cx.acc_dtype
-    tail_lse, tail_out = _read_rows(cx, lse.T, part).to(acc), _read_rows(cx, o_arr, part).to(acc)  # (n, qp)
+    tail_lse, tail_out = _read_rows(lse.T, part).to(acc), _read_rows(o_arr, part).to(acc)  # (n, qp)
     head_lse = head_lse.T.to(acc)
     merged = torch.logaddexp(tail_lse, head_lse)
     out = tail_out * torch.exp(tail_lse - merged)[..., None] + head_out.to(acc) * torch.exp(head_lse - merged)[..., None]

@@ -17,7 +17,8 @@ from libra_megatron.config import LibraConfig
 from libra_megatron.megatron.hooks import LibraHooks
 from libra_megatron.megatron.planner import BackgroundPlanner, PlannerError, pool_key
 from libra_megatron.megatron.planner_setup import build_planner_from_args
-from libra_megatron.megatron.sampler import LibraGlobalBatchSampler
+from libra_megatron.megatron.sampler import LibraGlobalBatchSampler, pool_proxy_from_args, sync_layout_from_args
+from libra_megatron.plan.sequences.lanes import priced_lanes_apply
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
 from libra_megatron.plan.pool import plan_pool
 
@@ -126,7 +127,11 @@ def test_hooks_queue_every_ga_plan_of_a_window_before_get_batch_and_get_matches_
     recorder = _RecordingPlanner(build_planner_from_args(CONFIG, _megatron_args()))
     hooks, args = wired_hooks(recorder)
     iterator = iter(hooks.build_data_loader(trace_gpt_dataset, 0))
-    reference = LibraGlobalBatchSampler(trace_gpt_dataset, len(trace_gpt_dataset), 0, 1, GBS, RANK, DP, POOL)
+    # the loader's own placement: its sync layout and (where lanes are priced) the Megatron run's pool proxy
+    layout = sync_layout_from_args(args, DP, POOL)
+    proxy = pool_proxy_from_args(args, POOL) if priced_lanes_apply(layout) else None
+    reference = LibraGlobalBatchSampler(trace_gpt_dataset, len(trace_gpt_dataset), 0, 1, GBS, RANK, DP, POOL,
+                                        sync_layout=layout, pool_proxy=proxy)
     num_windows = 2
     for step in range(num_windows * NUM_GA):
         window, ga = divmod(step, NUM_GA)

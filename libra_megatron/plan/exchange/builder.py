@@ -152,7 +152,8 @@ def build_exchange_plan(tiles, assignment: np.ndarray, timing=None, relay_stripe
     their query units in that order, then regrouped by entry kind: remote, split, local entries, each group in
     that order (``arranged_order``: every entry set of the local-first split is one slice). Every referenced KV
     group g=(doc, h) (Eq. 7) is fetched once per destination, rows [0, p) in doc-position order with p the largest
-    ``tiles.frag_kv_end`` of its tiles there (the whole doc under KvFetch.GROUP, the causal prefix under PREFIX), groups ordered by (h, doc).
+    ``tiles.frag_kv_end`` of its tiles there (the whole doc under KvFetch.GROUP, the causal prefix under PREFIX),
+    groups ordered by (h, doc).
     Varlen entries are (tile, doc fragment) pairs, consecutive entries of one group with continuing rows
     merged; an entry's keys are the first e rows of its group (bottom-right causal alignment).
     Byte totals follow Eq. 8: remote KV units * V_g/token + migrated tile tokens * (V_Q + V_O)/token.
