@@ -23,14 +23,15 @@ import numpy as np
 from .local_entries import LOCAL, REMOTE, SPLIT
 from .tables import UnitRuns, Varlen
 
-__all__ = ["group_entries_by_kind", "KIND_ORDER"]
+__all__ = ["group_entries_by_kind", "segment_starts", "KIND_ORDER"]
 
 KIND_ORDER = (REMOTE, SPLIT, LOCAL)  # the groups of an arranged Q buffer, first to last
 _RANK_OF_KIND = np.argsort(np.array(KIND_ORDER))  # kind -> its group's position
 
 
-def _exclusive_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
-    """Exclusive cumsum of ``lengths`` restarted at every key (keys sorted non-decreasing)."""
+def segment_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
+    """Exclusive cumsum of ``lengths`` restarted at every key (keys sorted non-decreasing): each item's first row in
+    its key's buffer (the builder's arranged rows too)."""
     incl = np.cumsum(lengths)
     base = np.concatenate([[0], incl])[np.searchsorted(keys, np.arange(num_keys), side="left")]
     return incl - lengths - base[keys]
@@ -52,7 +53,7 @@ def group_entries_by_kind(q: UnitRuns, varlen: Varlen, kinds: np.ndarray, q_len:
     if np.array_equal(order, np.arange(n)):
         return q, varlen
     new_start = np.empty(n, dtype=np.int64)
-    new_start[order] = _exclusive_starts(dst[order], varlen.q_len[order], W)
+    new_start[order] = segment_starts(dst[order], varlen.q_len[order], W)
     base = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int64)  # destination d's rows: base[d] + row
     run_at = base[q.dst] + q.tgt_start  # ascending: runs sorted by (dst, tgt_start)
     entry_at = base[dst] + varlen.q_start  # ascending: entries in arranged order

@@ -10,20 +10,12 @@ import numpy as np
 from ..errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .records import ExchangePlan, expand_runs, frozen_int64
-from .arranged_order import group_entries_by_kind
+from .arranged_order import group_entries_by_kind, segment_starts
 from .relay import choose_relay
 from .tables import LazyRankPlans, PlanTables, RunIndex, UnitRuns, Varlen, bytes_sent, fingerprint, hosted_pair_heads, \
     peer_units, pool_kinds
 
 __all__ = ["build_exchange_plan"]
-
-
-def _segment_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
-    """Exclusive cumsum of ``lengths`` restarted at every key (keys sorted non-decreasing)."""
-    incl = np.cumsum(lengths)
-    key_first = np.searchsorted(keys, np.arange(num_keys), side="left")
-    base = np.concatenate([[0], incl])[key_first]
-    return incl - lengths - base[keys]
 
 
 def _hosted_order(tiles, assignment: np.ndarray) -> np.ndarray:
@@ -38,7 +30,7 @@ def _q_runs(tiles, assignment: np.ndarray, order: np.ndarray):
     block, head = order // H, order % H
     count = tiles.block_end[block] - tiles.block_start[block]
     dst = assignment[order]
-    tgt = _segment_starts(dst, count, W)
+    tgt = segment_starts(dst, count, W)
     runs = UnitRuns(
         src=tiles.block_home[block], dst=dst, src_start=tiles.block_local_start[block] * H + head,
         count=count, tgt_start=tgt,
@@ -95,7 +87,7 @@ def _kv_and_varlen(tiles, assignment: np.ndarray, order: np.ndarray, q_tgt: np.n
     first = perm[new_pair]
     pair_dst, pair_class, pair_doc = dst[first], klass[first], doc[first]
     pair_len = np.maximum.reduceat(ent["kv_end"][perm], np.flatnonzero(new_pair)) if perm.size else perm
-    pair_off = _segment_starts(pair_dst, pair_len, W)
+    pair_off = segment_starts(pair_dst, pair_len, W)
     entry_pair = np.empty(perm.size, dtype=np.int64)
     entry_pair[perm] = np.cumsum(new_pair) - 1
     key = (dst * H + head) * S + doc  # non-decreasing in hosted order
