@@ -8,7 +8,7 @@ entries, the split entries' heads) would read its queries with a gather and writ
 
     [ remote entries | split entries | local entries ]      (each group in hosted order)
 
-so every set is one contiguous slice of the arranged buffers (``RowRuns.span``): the runtime reads it as a view
+so every set is one contiguous slice of the arranged buffers (``runtime_tables.EntryLens.q_span``): the runtime reads it as a view
 and writes its outputs with one dense copy. Only arranged-Q positions move: the Q route's runs are cut where an
 entry's rows leave their tile's run and re-targeted, the entries re-ordered with their key ranges; what each
 rank sends and receives, the K/V route, the relay, the kinds and every byte total are unchanged (a permutation
@@ -21,20 +21,12 @@ from typing import Tuple
 import numpy as np
 
 from .local_entries import LOCAL, REMOTE, SPLIT
-from .tables import UnitRuns, Varlen
+from .tables import UnitRuns, Varlen, segment_starts
 
-__all__ = ["group_entries_by_kind", "segment_starts", "KIND_ORDER"]
+__all__ = ["group_entries_by_kind", "KIND_ORDER"]
 
 KIND_ORDER = (REMOTE, SPLIT, LOCAL)  # the groups of an arranged Q buffer, first to last
 _RANK_OF_KIND = np.argsort(np.array(KIND_ORDER))  # kind -> its group's position
-
-
-def segment_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
-    """Exclusive cumsum of ``lengths`` restarted at every key (keys sorted non-decreasing): each item's first row in
-    its key's buffer (the builder's arranged rows too)."""
-    incl = np.cumsum(lengths)
-    base = np.concatenate([[0], incl])[np.searchsorted(keys, np.arange(num_keys), side="left")]
-    return incl - lengths - base[keys]
 
 
 def group_entries_by_kind(q: UnitRuns, varlen: Varlen, kinds: np.ndarray, q_len: np.ndarray,

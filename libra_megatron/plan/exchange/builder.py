@@ -10,10 +10,10 @@ import numpy as np
 from ..errors import PlanError
 from .kv_refs import home_runs_in_prefix
 from .records import ExchangePlan, expand_runs, frozen_int64
-from .arranged_order import group_entries_by_kind, segment_starts
+from .arranged_order import group_entries_by_kind
 from .relay import choose_relay
 from .tables import LazyRankPlans, PlanTables, RunIndex, UnitRuns, Varlen, bytes_sent, fingerprint, hosted_pair_heads, \
-    peer_units, pool_kinds
+    peer_units, pool_kinds, segment_starts
 
 __all__ = ["build_exchange_plan"]
 

@@ -178,12 +178,13 @@ class EntrySet(EntryLens):
     def of(keep: np.ndarray, cu_q: np.ndarray, k_start: np.ndarray, k_lens: np.ndarray, q_bound: int,
            kv_bound: int) -> "EntrySet":
         """The entries ``keep`` with keys [k_start, +k_lens) of the arranged K|V (per entry, all entries given)."""
-        q_lens = np.diff(cu_q)[keep]
+        every_q = np.diff(cu_q)
+        q_lens = every_q[keep]
         return EntrySet(
             q_rows=RowRuns.make(cu_q[:-1][keep], q_lens, 1, q_bound),
             k_gather=RowRuns.make(k_start[keep], k_lens[keep], 1, kv_bound),
             cu_q=_cu32(q_lens), cu_k=_cu32(k_lens[keep]),
-            q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()), q_span=q_span(np.diff(cu_q), keep),
+            q_lens=tuple(q_lens.tolist()), k_lens=tuple(k_lens[keep].tolist()), q_span=q_span(every_q, keep),
         )
 
 

@@ -22,7 +22,15 @@ from .local_entries import LOCAL, SPLIT, pool_entry_kinds
 from .records import IndexRuns, RankPlan, Route, frozen_int64
 
 __all__ = ["UnitRuns", "Varlen", "RunIndex", "PlanTables", "LazyRankPlans", "bytes_sent", "pair_units", "peer_units",
-           "hosted_pair_heads", "pool_kinds", "fingerprint"]
+           "hosted_pair_heads", "pool_kinds", "fingerprint", "segment_starts"]
+
+
+def segment_starts(keys: np.ndarray, lengths: np.ndarray, num_keys: int) -> np.ndarray:
+    """Exclusive cumsum of ``lengths`` restarted at every key (keys sorted non-decreasing): each item's first row in
+    its key's buffer (the builder's arranged rows, the regrouped entries' starts)."""
+    incl = np.cumsum(lengths)
+    base = np.concatenate([[0], incl])[np.searchsorted(keys, np.arange(num_keys), side="left")]
+    return incl - lengths - base[keys]
 
 
 @dataclass(frozen=True, eq=False)
