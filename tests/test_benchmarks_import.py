@@ -37,8 +37,8 @@ def test_planner_stall_benchmark_runs_the_shipped_yaml_through_a_planner_process
     """The README's stall command, shrunk: the shipped 256K YAML (``num_chunks: auto``) planned by a planner process
     beside the stand-in loop; it must finish and print the process row with pools planned (it once stopped on a
     ValueError that only a run could show)."""
-    stdout = _run_bench("bench_planner_stall.py", "--seconds", "0.5", "--pools", "1", "--modes", "none", "process",
-                        "--cases", "256K", "--traces", "linux")
+    stdout = _run_bench("bench_planner_stall.py", "--seconds", "0.5", "--rounds", "1", "--pools", "1",
+                        "--modes", "process", "--cases", "256K", "--traces", "linux")
     rows = [line.split() for line in stdout.splitlines() if line.startswith("256K")]
     assert [r[2] for r in rows] == ["none", "process"], stdout
     assert int(rows[1][7]) > 0, stdout  # pools planned while the loop ran

@@ -11,11 +11,12 @@ call (``planner_process``).
 
 Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner_from_args`` starts for a
 Megatron-LM run) plans in a separate, spawned Python process per rank: the training interpreter only pickles the
-pool segments to it and unpickles the finished ``PoolPlan`` (two small threads, ~1 ms of interpreter lock per
-plan), so the placement's search never holds the training thread's lock. ``mode="thread"`` (the default of the
-class, for tests and stand-in ``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
-back as that pool's ``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every
-pool still pending with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
+pool segments to it and unpickles the finished ``PoolPlan`` with this worker's row run tables, built in the
+process (two small threads, ~0.5-1 ms of interpreter lock per plan), so the placement's search never holds the
+training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in ``plan_fn``s that do
+not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes back as that pool's
+``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every pool still pending
+with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
 (join, then terminate, then kill). Nothing falls back silently: a failed pool raises on every ``get``.
 
 Usage (one ``BackgroundPlanner`` per training process)::
@@ -370,14 +371,18 @@ class BackgroundPlanner:
                 self._latencies.append(result.latency_s)
         slot.done.set()
 
-    def _materialise_rank(self, plan, submitted: float) -> Optional[float]:
-        """Build this worker's RankPlan and its row run tables now; seconds since submit, or None."""
+    def _materialise_rank(self, plan, submitted: float, tables=None) -> Optional[float]:
+        """Build this worker's RankPlan and its row run tables now (``tables``: built by the planner process, only
+        cached here); seconds since submit, or None."""
         exchange = getattr(plan, "exchange", None)
         if self._worker is None or exchange is None:
             return None
-        from ..plan.exchange import rank_tables
+        from ..plan.exchange import rank_tables, seed_rank_tables
 
-        rank_tables(exchange.for_rank(self._worker))
+        if tables is None:
+            rank_tables(exchange.for_rank(self._worker))
+        else:
+            seed_rank_tables(exchange.for_rank(self._worker), tables)
         return time.perf_counter() - submitted
 
     # ------------------------------------------------------------------ process mode
@@ -428,9 +433,9 @@ class BackgroundPlanner:
                 slot.error, slot.error_text = payload
                 self._finish(slot, None)
                 continue
-            plan, latency, saved, mode, here = payload
+            plan, latency, saved, mode, here, tables = payload
             try:
-                rank_ready = self._materialise_rank(plan, slot.submitted)
+                rank_ready = self._materialise_rank(plan, slot.submitted, tables)
             except BaseException as exc:  # noqa: BLE001
                 slot.error, slot.error_text = exc, traceback.format_exc()
                 self._finish(slot, None)

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from ..config import LibraConfig
+from ..plan.exchange import rank_tables
 from ..plan.layout import HeadLayout, TokenLayout
 
 __all__ = ["default_plan_fn", "memory", "pool_key", "planner_process", "spawn_planner", "stop_planner", "LEDGER_ENV"]
@@ -53,8 +54,8 @@ def memory(plan, config: LibraConfig, heads: HeadLayout, layout: TokenLayout, nu
 
 def planner_process(tasks, results, spec) -> None:
     """Body of the planner process: plan every pool it is sent, send back (key, True, (plan, seconds, saved bytes,
-    save mode, planned here)) or (key, False, (exception, traceback text)); exits on None or when the trainer is
-    gone.
+    save mode, planned here, the worker's ``rank_tables`` or None)) or (key, False, (exception, traceback text));
+    exits on None or when the trainer is gone.
 
     With a shared plan directory (``spec``'s last item, ``plan_store``), a pool is planned only by the process
     that wins its claim; the others keep serving their other pools while they poll for it (``_SharedPools``)."""
@@ -76,11 +77,11 @@ def planner_process(tasks, results, spec) -> None:
         if not ok:
             return key, False, payload
         try:
-            exchange = getattr(payload, "exchange", None)
-            if worker is not None and exchange is not None:
-                exchange.for_rank(worker)  # the RankPlan travels in the plan's cache
+            exchange, tables = getattr(payload, "exchange", None), None
+            if worker is not None and exchange is not None:  # the RankPlan travels in the plan's cache, its row
+                tables = rank_tables(exchange.for_rank(worker))  # tables beside it: the trainer builds neither
             saved, mode = memory(payload, config, heads, layout, num_layers)
-            return key, True, (payload, seconds, saved, mode, here)
+            return key, True, (payload, seconds, saved, mode, here, tables)
         except BaseException as exc:  # noqa: BLE001
             return key, False, _error_payload(exc)
 

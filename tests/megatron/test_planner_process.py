@@ -2,9 +2,11 @@
 of the process, a hang and shutdown each end in one ``PlannerError`` line naming the pool, never a hang."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
+import numpy as np
 import pytest
 
 from libra_megatron.config import LibraConfig
@@ -50,6 +52,34 @@ def test_the_process_planner_serves_the_threads_plans_and_rank_plans():
         assert planner.plans_made == 3 and len(planner.latencies()) == 3  # warm-up + two pools, each once
         assert planner.latest_metrics()["planner_latency_s"] > 0
     assert not planner._process.is_alive()
+
+
+def _same(a, b) -> bool:
+    """Field by field, arrays by value and dtype."""
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def test_the_process_builds_the_workers_row_tables_and_the_trainer_builds_none(monkeypatch):
+    """The worker's ``rank_tables`` come from the planner process with the plan (the trainer's interpreter only
+    unpickles them): equal to the tables the trainer would build, and never built in the trainer; tables of another
+    rank are refused."""
+    from libra_megatron.plan.exchange import runtime_tables
+
+    build = runtime_tables.build_rank_tables
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", worker=3, timeout_s=120) as planner:
+        monkeypatch.setattr(runtime_tables, "build_rank_tables", lambda plan: pytest.fail("built in the trainer"))
+        exchange = planner.get_pool(POOL_A).pool_plan.exchange
+        seeded = runtime_tables.rank_tables(exchange.for_rank(3))
+    built = build(exchange.for_rank(3))
+    assert _same(seeded, built) and not _same(seeded, build(exchange.for_rank(2)))
+    with pytest.raises(ValueError, match="is not the tables of rank 2"):
+        runtime_tables.seed_rank_tables(exchange.for_rank(2), seeded)
 
 
 def test_a_failing_plan_in_the_process_raises_its_error_at_get_and_the_process_keeps_serving():

@@ -22,7 +22,8 @@ from .builder import build_exchange_plan
 from .kv_refs import FetchedGroups, expand_ranges, fetched_groups, held_rows, home_runs_in_prefix
 from .records import ExchangePlan, IndexRuns, RankPlan, Route, expand_runs, kv_rows, q_rows
 from .relay import RELAY_SENDER_CUTS, RELAY_STRIPE_UNITS
-from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables
+from .runtime_tables import RankSizes, RankTables, RouteSplits, RowRuns, build_rank_tables, rank_sizes, rank_tables, \
+    seed_rank_tables
 from .op_lists import LayerOps, layer_ops, phase_ops
 from .schedule import SAVE_MODES, entry_pairs, rank_layer_ops
 from .traffic import (LayerPricing, LayerTiming, PlanTraffic, chunk_phase_bytes, plan_layer_timing, plan_traffic,
@@ -32,7 +33,7 @@ from .validate import validate_plan
 __all__ = ["build_exchange_plan", "FetchedGroups", "expand_ranges", "fetched_groups", "held_rows",
            "home_runs_in_prefix", "ExchangePlan", "IndexRuns", "RankPlan", "Route", "expand_runs", "kv_rows", "q_rows",
            "RELAY_SENDER_CUTS", "RELAY_STRIPE_UNITS", "RankSizes", "RankTables", "RouteSplits", "RowRuns", "build_rank_tables", "rank_sizes",
-           "rank_tables",
+           "rank_tables", "seed_rank_tables",
            "SAVE_MODES", "LayerOps", "entry_pairs", "layer_ops", "phase_ops", "rank_layer_ops", "LayerPricing",
            "LayerTiming", "plan_layer_timing",
            "PlanTraffic", "chunk_phase_bytes", "plan_traffic", "plan_worker_seconds", "traffic_of_units",

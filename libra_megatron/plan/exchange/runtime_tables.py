@@ -425,3 +425,16 @@ def rank_tables(plan: RankPlan) -> RankTables:
     tables = build_rank_tables(plan)
     with _LOCK:
         return _CACHE.setdefault(plan, tables)
+
+
+def seed_rank_tables(plan: RankPlan, tables: RankTables) -> RankTables:
+    """Cache ``tables``, built by ``rank_tables`` from this plan in another process (the planner process pickles
+    them with the plan), as ``plan``'s: the trainer's ``rank_tables(plan)`` then builds nothing. Tables already
+    cached for ``plan`` win."""
+    splits = getattr(tables, "q_splits", None)
+    if not isinstance(tables, RankTables) or (splits.rank, len(splits.send)) != (plan.rank, plan.num_workers):
+        raise ValueError(f"seed_rank_tables: {type(tables).__name__} "
+                         f"{'' if splits is None else (splits.rank, len(splits.send))} is not the tables of rank "
+                         f"{plan.rank} of {plan.num_workers} workers")
+    with _LOCK:
+        return _CACHE.setdefault(plan, tables)
