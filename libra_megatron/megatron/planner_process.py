@@ -70,7 +70,11 @@ def planner_process(tasks, results, spec) -> None:
     extra = {} if timing is None else {"timing": timing}
 
     def plan(segments):
-        return plan_fn([list(s) for s in segments], config, layout, heads, validate=validate, **extra)
+        planned = plan_fn([list(s) for s in segments], config, layout, heads, validate=validate, **extra)
+        ranks = getattr(getattr(planned, "exchange", None), "ranks", None)
+        if hasattr(ranks, "clear_cache"):  # validation built every rank's RankPlan: send (and share) none of them
+            ranks.clear_cache()
+        return planned
 
     def finish(key, ok, payload, seconds, here):
         """The message of a pool: payload is the plan (ok) or (exception, traceback text)."""

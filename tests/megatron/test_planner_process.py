@@ -82,6 +82,15 @@ def test_the_process_builds_the_workers_row_tables_and_the_trainer_builds_none(m
         runtime_tables.seed_rank_tables(exchange.for_rank(2), seeded)
 
 
+def test_a_validated_plan_reaches_the_trainer_with_its_workers_rank_plan_only():
+    """``validate=True`` builds every rank's RankPlan in the process; pickled with all of them a pool plan is
+    hundreds of MB at 256K. The trainer gets the plan with its own worker's RankPlan alone."""
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", worker=3, validate=True, timeout_s=120) as planner:
+        exchange = planner.get_pool(POOL_A).pool_plan.exchange
+    assert exchange.num_workers == 4 and sorted(exchange.ranks._cache) == [3]  # noqa: SLF001
+    assert exchange.for_rank(1).rank == 1  # the others are still built on demand
+
+
 def test_a_failing_plan_in_the_process_raises_its_error_at_get_and_the_process_keeps_serving():
     bad_pool = [[30, 30], [64]]  # sums to 60, not L = 64
     with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="process", timeout_s=120) as planner:
