@@ -1,6 +1,6 @@
 """Does the background planner slow the training thread? (issue 25: "the planner costs training nothing")
 
-Run:  .venv/bin/python benchmarks/bench_planner_stall.py [--rounds 6] [--seconds 1.5] [--modes thread process]
+Run:  .venv/bin/python benchmarks/bench_planner_stall.py [--rounds 10] [--seconds 1] [--modes neighbour process thread]
                                                          [--cases 256K 1M] [--traces linux wikipedia]
 
 A launch-bound training-thread stand-in (a loop of ``--ops`` small torch ops per iteration, one torch thread: what
@@ -8,8 +8,9 @@ Megatron's training thread does between kernels when it only launches them) runs
 a ``BackgroundPlanner`` at the shipped knobs (configs/libra/256k.yaml, 1m.yaml; Qwen3-30B-A3B heads, CP=8 / 16)
 planning real pools (linux-6.12 and wikipedia traces packed Megatron-style, VRSP pools of P=8). A feeder thread
 submits the pools ``--window`` ahead and takes each plan (as ``LibraHooks`` does). Per planner mode, ``thread``
-(the planner in a thread of this interpreter, the code before issue 25) or ``process`` (its own process, what a
-Megatron-LM run starts), ``--rounds`` rounds each run one block with the planner idle (``none``: started, nothing
+(the planner in a thread of this interpreter, the code before issue 25), ``process`` (its own process, what a
+Megatron-LM run starts) or ``neighbour`` (the control: the same planning in a process whose plans never reach this
+interpreter), ``--rounds`` rounds each run one block with the planner idle (``none``: started, nothing
 submitted) and one with it busy, in alternating order: the machine's drift over a run (several % here) falls on
 both sides, and the median's rise is the median over rounds of the busy block's median over its idle partner's.
 Printed per case: the loop's median, p99 and longest iteration in ms over all blocks of a side, iterations per
