@@ -80,7 +80,7 @@ def planner_first_ready(pools, config, layout, heads, worker: int) -> list:
     from libra_megatron.megatron.planner import BackgroundPlanner
 
     out = []
-    with BackgroundPlanner(config, layout, heads, worker=worker) as planner:
+    with BackgroundPlanner(config, layout, heads, worker=worker, mode="thread") as planner:
         planner.warm_up()
         for window in (pools[i:i + 4] for i in range(0, len(pools), 4)):
             planner.submit_many(window)
@@ -130,7 +130,7 @@ def main() -> None:
                       f"{r[:, 3].max():>8.1f}{ok:>8.0%}{np.median(r[:, 4]):>12.1f}{r[:, 4].max():>8.1f}"
                       f"{r[:, 5].max():>8.1f}")
             ready = planner_first_ready(pools, config, layout, heads, worker=0)
-            print(f"{trace:<10}{label:<21}BackgroundPlanner(worker=0): first pool of a window ready after "
+            print(f"{trace:<10}{label:<21}BackgroundPlanner(worker=0, thread): first pool of a window ready after "
                   f"{', '.join(f'{x:.1f}' for x in ready)} ms (wall)")
 
 

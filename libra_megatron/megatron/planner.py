@@ -13,10 +13,10 @@ Where it runs (issue 25). ``mode="process"`` (what ``planner_setup.build_planner
 Megatron-LM run) plans in a separate, spawned Python process per rank: the training interpreter only pickles the
 pool segments to it and unpickles the finished ``PoolPlan`` with this worker's row run tables, built in the
 process (two small threads, ~0.5-1 ms of interpreter lock per plan), so the placement's search never holds the
-training thread's lock. ``mode="thread"`` (the default of the class, for tests and stand-in ``plan_fn``s that do
-not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes back as that pool's
-``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every pool still pending
-with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
+training thread's lock; it is the class's default. ``mode="thread"`` (for tests, debugging and stand-in
+``plan_fn``s that do not pickle) plans in a thread of this interpreter. In the process: a plan that raises comes
+back as that pool's ``PlannerError`` (its traceback attached); a process that dies (crash, OOM kill) fails every
+pool still pending with its exit code; one that hangs fails the ``get`` after ``timeout_s``; ``close`` stops it
 (join, then terminate, then kill). Nothing falls back silently: a failed pool raises on every ``get``.
 
 Usage (one ``BackgroundPlanner`` per training process)::
@@ -44,6 +44,7 @@ finished plans plus the ones still queued, however long the run.
 from __future__ import annotations
 
 import collections
+import pickle
 import queue
 import threading
 import time
@@ -111,8 +112,9 @@ class BackgroundPlanner:
     num_layers: this rank's layers whose saved tensors are alive at once (``plan.model.memory.saved_layers``), for
         the ``save_mode=auto`` budget (``config.activation_budget_gb`` covers all of them).
     timing: the ``plan.model.timing.StepTimeModel`` tile placement 'time' / 'dense' prices by (the pool's nodes).
-    mode: "thread" (plan in a thread of this interpreter) or "process" (a spawned planner process; module
-        docstring). ``plan_fn`` must then pickle (a module-level function).
+    mode: "process" (the default: a spawned planner process, module docstring; ``plan_fn`` must then pickle, a
+        module-level function) or "thread" (plan in a thread of this interpreter: it takes the training thread's
+        interpreter lock while it plans, ``benchmarks/bench_planner_stall.py``; for tests and debugging).
     pools_per_window: the pools this rank gets per optimizer step (GA), for ``planner_lead_windows``.
     share_dir: process mode only: a directory the planner processes of a node (or of all nodes, on a shared
         filesystem) share (``plan_store``): each pool is planned by the one process that claims it and read by
@@ -122,7 +124,7 @@ class BackgroundPlanner:
     def __init__(self, config: LibraConfig, layout: TokenLayout, heads: HeadLayout, *,
                  plan_fn: Optional[PlanFn] = None, capacity: int = 64, timeout_s: float = 300.0,
                  validate: bool = False, worker: Optional[int] = None, num_layers: int = 1, timing=None,
-                 mode: str = "thread", pools_per_window: int = 1, share_dir: Optional[str] = None):
+                 mode: str = "process", pools_per_window: int = 1, share_dir: Optional[str] = None):
         self.config, self.layout, self.heads = config, layout, heads
         self._timing = timing  # plan.model.timing.StepTimeModel with the pool's nodes (tile placement time/dense)
         self._worker = worker  # pool-local worker id whose RankPlan the thread materialises too
@@ -138,6 +140,13 @@ class BackgroundPlanner:
         if mode not in ("thread", "process"):
             raise ValueError(f"BackgroundPlanner: mode must be 'thread' or 'process', got {mode!r}")
         self.mode = mode
+        if mode == "process" and plan_fn is not None:
+            try:
+                pickle.dumps(plan_fn)
+            except Exception as exc:  # noqa: BLE001 - lambdas, closures, bound methods of unpicklable objects
+                raise ValueError(f"BackgroundPlanner: plan_fn {plan_fn!r} does not pickle ({type(exc).__name__}), "
+                                 f"and mode='process' (the default) sends it to the planner process: pass a "
+                                 f"module-level function, or mode='thread' to plan in this interpreter") from None
         if share_dir is not None and mode != "process":
             raise ValueError("BackgroundPlanner: share_dir needs mode='process' (the plan store is polled by the "
                              "planner process)")

@@ -184,8 +184,10 @@ class _Rank:
                            self.lib.num_chunks, elem_bytes=4)
         self.planner = None
         if cfg.libra or cfg.cp > 1:  # plans also run plain CP attention in the CP > 1 baseline
+            # in a thread: this harness proves semantics with several ranks per core, where a planner process per
+            # rank would only add processes; Megatron-LM runs plan in processes (test_pretrain_loop.py)
             self.planner = BackgroundPlanner(self.lib, layout, heads, worker=groups.get_pool_rank(),
-                                             timing=_pool_nodes_timing(cfg, heads.head_dim))
+                                             timing=_pool_nodes_timing(cfg, heads.head_dim), mode="thread")
             self.planner.warm_up()
         self.planned_keys: set = set()  # pools this rank has used before (a repeat is served from the cache)
         self.model = _build_model(cfg)

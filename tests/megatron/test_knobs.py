@@ -69,7 +69,7 @@ def _run_module_from_yaml(rank: int, world_size: int, config_dicts: dict) -> dic
         layout, heads = TokenLayout(config.token_layout, L, 1), HeadLayout(HQ, HKV, D, 2, 2, elem_bytes=4)
         hooks = LibraHooks()
         hooks.config, hooks.qkv_format = config, "thd"
-        hooks.planner = BackgroundPlanner(config, layout, heads, worker=rank, num_layers=1)
+        hooks.planner = BackgroundPlanner(config, layout, heads, worker=rank, num_layers=1, mode="thread")
         sample = {key: torch.arange(L) for key in ("tokens", "labels", "loss_mask")}
         carrier = hooks._assemble(sample, [np.asarray(s) for s in POOL], rank, 1, 0)[-1]
         planned = hooks.planner.get_pool(POOL)

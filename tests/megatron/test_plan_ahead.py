@@ -161,7 +161,7 @@ def test_a_plan_failing_in_the_planner_thread_surfaces_at_get_batch(wired_hooks,
 
     base = build_planner_from_args(CONFIG, _megatron_args())
     base.close()
-    planner = BackgroundPlanner(CONFIG, base.layout, base.heads, plan_fn=broken_plan, timeout_s=30)
+    planner = BackgroundPlanner(CONFIG, base.layout, base.heads, plan_fn=broken_plan, timeout_s=30, mode="thread")
     hooks, _ = wired_hooks(planner)
     iterator = iter(hooks.build_data_loader(trace_gpt_dataset, 0))
     start = time.perf_counter()
@@ -173,7 +173,7 @@ def test_a_plan_failing_in_the_planner_thread_surfaces_at_get_batch(wired_hooks,
 
 def test_a_dead_planner_thread_fails_get_at_once_instead_of_waiting_for_the_timeout():
     planner = BackgroundPlanner(CONFIG, TokenLayout("zigzag", 64, 1), HeadLayout(4, 2, 16, 1, 2),
-                                timeout_s=120)
+                                timeout_s=120, mode="thread")
     planner._queue.put(None)  # the thread exits as if it crashed, with the planner still open
     planner._thread.join(10)
     start = time.perf_counter()
@@ -194,7 +194,8 @@ def test_the_cache_stays_bounded_over_many_windows_without_replanning():
     capacity = 2 * NUM_GA
     dataset = [np.array([i + 1, 2048 - i - 1]) for i in range(60 * GBS)]  # every pool distinct
     with BackgroundPlanner(CONFIG, TokenLayout("zigzag", 64, 1), HeadLayout(4, 2, 16, 1, 2),
-                           plan_fn=lambda segments, *a, **k: _StubPlan(segments), capacity=capacity) as planner:
+                           plan_fn=lambda segments, *a, **k: _StubPlan(segments), capacity=capacity,
+                           mode="thread") as planner:
         sampler = _toy_sampler(dataset, listener=lambda v, keys: planner.submit_many(
             [k.pool_segments for k in keys]))
         sizes, pools = [], set()
@@ -217,7 +218,7 @@ def test_plans_submitted_ahead_outlive_recently_consumed_ones():
 
     a, b, c = [[64], [64]], [[32, 32], [64]], [[16, 48], [64]]
     with BackgroundPlanner(CONFIG, TokenLayout("zigzag", 64, 1), HeadLayout(4, 2, 16, 1, 2),
-                           plan_fn=plan_fn, capacity=1) as planner:
+                           plan_fn=plan_fn, capacity=1, mode="thread") as planner:
         planner.get_pool(a)  # consumed
         planner.submit(b)  # owed one get
         deadline = time.perf_counter() + 10

@@ -27,14 +27,14 @@ def test_every_planner_instance_reproduces_the_direct_plan_fingerprint():
     direct = {pool_key(p): plan_pool(p, CONFIG, LAYOUT, HEADS).fingerprint for p in (POOL_A, POOL_B)}
     assert len(set(direct.values())) == 2  # different pools, different plans
     for _ in range(2):  # two independent "ranks"
-        with BackgroundPlanner(CONFIG, LAYOUT, HEADS) as planner:
+        with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="thread") as planner:
             planner.submit_many([POOL_A, POOL_B])
             for pool in (POOL_B, POOL_A):
                 assert planner.get_pool(pool).pool_plan.fingerprint == direct[pool_key(pool)]
 
 
 def test_get_returns_the_rank_plan_of_worker_position_times_cp_plus_cp_rank():
-    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, worker=3) as planner:
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, worker=3, mode="thread") as planner:
         for position in range(P):
             for cp_rank in range(CP):
                 plan = planner.get(POOL_A, position=position, cp_rank=cp_rank)
@@ -45,7 +45,7 @@ def test_get_returns_the_rank_plan_of_worker_position_times_cp_plus_cp_rank():
 
 def test_a_failing_plan_surfaces_at_get_with_the_original_error_and_the_thread_survives():
     bad_pool = [[30, 30], [64]]  # sums to 60, not L = 64
-    with BackgroundPlanner(CONFIG, LAYOUT, HEADS) as planner:
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="thread") as planner:
         planner.submit(bad_pool)
         with pytest.raises(PlannerError) as info:
             planner.get_pool(bad_pool, timeout=60)
@@ -61,7 +61,7 @@ def test_a_stuck_plan_times_out_instead_of_hanging():
         release.wait(30)
         return plan_pool(*args, **kwargs)
 
-    planner = BackgroundPlanner(CONFIG, LAYOUT, HEADS, plan_fn=slow_plan)
+    planner = BackgroundPlanner(CONFIG, LAYOUT, HEADS, plan_fn=slow_plan, mode="thread")
     start = time.perf_counter()
     with pytest.raises(PlannerError, match="did not finish"):
         planner.get_pool(POOL_A, timeout=0.3)

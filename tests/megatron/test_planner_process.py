@@ -134,6 +134,16 @@ def test_mode_is_checked():
         BackgroundPlanner(CONFIG, LAYOUT, HEADS, mode="fork")
 
 
+def test_the_default_is_the_process_and_a_plan_fn_that_cannot_go_there_is_one_error():
+    """A megatron-core user's ``BackgroundPlanner(config, layout, heads)`` plans off the training interpreter; a
+    lambda ``plan_fn`` is refused at construction, naming both ways out, not a pickling traceback at spawn."""
+    with BackgroundPlanner(CONFIG, LAYOUT, HEADS, timeout_s=120) as planner:
+        assert planner.mode == "process" and planner._process.is_alive()  # noqa: SLF001
+        assert planner.get_pool(POOL_A).pool_plan.fingerprint
+    with pytest.raises(ValueError, match="does not pickle .* module-level function, or mode='thread'"):
+        BackgroundPlanner(CONFIG, LAYOUT, HEADS, plan_fn=lambda *a, **k: None)
+
+
 def test_microbatch_metrics_read_the_planners_placements_and_place_nothing_again(monkeypatch):
     """Issue 25: the window's after-TAP loads come from the planner's plans (its own pools are cache hits, the
     others are planned by it, behind training's pools); ``metrics`` places no pool itself."""
