@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -68,6 +69,7 @@ class Feeder:
     def __init__(self, planner: BackgroundPlanner, pools, window: int):
         self.planner, self.pools, self.window = planner, pools, window
         self.run, self.idle, self.stop, self.planned = threading.Event(), threading.Event(), threading.Event(), 0
+        self.error: Optional[BaseException] = None  # a plan that failed: raised by the next pause
         self.idle.set()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -83,13 +85,18 @@ class Feeder:
                 self.idle.set()
                 continue
             batch = [self.pools[(i + k) % len(self.pools)] for k in range(self.window)]
-            self.planner.submit_many(batch)
-            for pool in batch:
-                self.planner.get_pool(pool)
-                self.planned += 1
-            i += self.window
-            self.planner._slots.clear()  # noqa: SLF001 - plan the same pools again (a benchmark, not a cache test)
-            self.idle.set()
+            try:
+                self.planner.submit_many(batch)
+                for pool in batch:
+                    self.planner.get_pool(pool)
+                    self.planned += 1
+                i += self.window
+                self.planner._slots.clear()  # noqa: SLF001 - plan the same pools again (a benchmark, not a cache test)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by pause on the main thread, never a hang
+                self.error = exc
+                return
+            finally:
+                self.idle.set()
 
     def resume(self) -> None:
         self.run.set()
@@ -98,9 +105,12 @@ class Feeder:
     def pause(self) -> None:
         self.run.clear()
         self.idle.wait(timeout=600)
+        if self.error is not None:
+            raise RuntimeError(f"the planner failed while the loop ran: {self.error}") from self.error
 
     def close(self) -> None:
-        self.pause()
+        self.run.clear()
+        self.idle.wait(timeout=600)
         self.stop.set()
         self.run.set()
         self.thread.join(timeout=60)
@@ -148,7 +158,9 @@ class Neighbour:
     def pause(self) -> None:
         self.run.clear()
         time.sleep(0.1)
-        self.idle.wait(timeout=600)
+        while not self.idle.wait(timeout=1.0):  # a plan in flight; a dead process never sets idle
+            if not self.process.is_alive():
+                raise RuntimeError(f"the neighbour process died (exit code {self.process.exitcode})")
 
     def close(self) -> None:
         self.pause()
@@ -187,7 +199,7 @@ def run_mode(mode: str, config, layout, heads, pools, rounds: int, seconds: floa
 
 
 def summary(blocks) -> tuple:
-    """(median, p99, max) in ms of every iteration of ``blocks``, and iterations per second."""
+    """(median, p99, max) in ms of every iteration of ``blocks``, and the number of iterations."""
     times = np.concatenate(blocks)
     return tuple(float(np.percentile(times, q)) * 1e3 for q in (50, 99, 100)) + (times.size,)
 
