@@ -2,8 +2,8 @@
 
 The shipped priced lanes (``plan.sequences.priced_lanes``) try two groupings of every lane's GA*P sequences --
 like with like, and Algorithm 1 inside the lane -- price each pool with the pool proxy, keep per lane the grouping
-and microbatch order whose pipeline is shortest, then keep the fastest of that order, the F-proxy sync order,
-Algorithm 1's and the sampler's under the same proxy. This script adds candidate groupings to the first step and
+and microbatch order whose pipeline is shortest, then keep the fastest of that order, Algorithm 1's and the
+sampler's under the same proxy, its lanes' pipelines then evened by whole-pool swaps. This script adds candidate groupings to the first step and
 runs the same guard (public ``choose_lanes`` / ``assemble_order`` / ``priced_step_seconds``), then prices every
 resulting order with the simulator's plans (``sim.runner.sync_timings``: whole layer, peers coupled):
 
@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from libra_megatron.plan.sequences.lanes import lane_members, like_with_like, place_for_sync  # noqa: E402
+from libra_megatron.plan.sequences.lanes import lane_members, like_with_like  # noqa: E402
 from libra_megatron.plan.sequences.priced_lanes import (GROUPINGS, assemble_order, choose_lanes,  # noqa: E402
-                                                        lane_groupings, priced_step_seconds)
+                                                        fastest_balanced, lane_groupings)
 from libra_megatron.plan.sequences.vrsp import place_alg1, place_contiguous  # noqa: E402
 from libra_megatron.sim import runner  # noqa: E402
 
@@ -60,8 +60,8 @@ VARIANTS = {"shipped": (), "+halves": ("halves",), "+pairswap": ("pairswap",)}  
 
 def guarded_order(flops, layout, pool_seconds, extra):
     """``place_for_pipelines`` with the shipped ``priced_lanes.lane_groupings`` of every lane plus the groupings
-    ``extra``: the priced lanes, then the fastest of them, the F-proxy sync order, Algorithm 1's and the sampler's
-    under ``pool_seconds`` (ties: the earlier)."""
+    ``extra``: the priced lanes, then the fastest of them, Algorithm 1's and the sampler's
+    under ``pool_seconds`` (ties: the earlier), its lanes' pipelines evened (``fastest_balanced``)."""
     ga, pool = layout.num_microbatches, layout.pool_size
     grids = np.stack([np.stack([shipped[n] for n in GROUPINGS] + [EXTRA[n](flops, lane, pool, ga) for n in extra])
                       for lane, shipped in zip(lane_members(flops, layout), lane_groupings(flops, layout))])
@@ -71,9 +71,8 @@ def guarded_order(flops, layout, pool_seconds, extra):
     grouping, order = choose_lanes(fwd, bwd, layout)
     priced = assemble_order([grids[j, grouping[j]][order[:, j]] for j in range(lanes)], layout)
     alg1 = place_alg1(flops, pool)
-    candidates = (priced, place_for_sync(flops, layout, alg1), alg1, place_contiguous(flops, pool))
-    steps = [priced_step_seconds(c, layout, pool_seconds) for c in candidates]
-    return candidates[int(np.argmin(steps))]
+    candidates = (priced, alg1, place_contiguous(flops, pool))
+    return fastest_balanced(candidates, layout, pool_seconds)[0]
 
 
 def main(argv=None) -> None:

@@ -5,14 +5,15 @@ balanced lower bound, whole layer):
 
     sampler        the sampler order (Ulysses' grouping, with TAP)
     alg1           the paper's Algorithm 1 order
-    shipped        ``--sequence-placement sync`` as the plugin runs it at PP > 1: the priced lanes, the F-proxy
-                   order, Algorithm 1's and the sampler's, the fastest under the pool proxy
-                   (``plan.sequences.priced_lanes.place_for_pipelines``)
+    shipped        ``--sequence-placement sync`` as the plugin runs it at PP > 1: the priced lanes, Algorithm 1's
+                   and the sampler's, the fastest under the pool proxy, its lanes' pipelines then evened by
+                   whole-pool swaps (``plan.sequences.priced_lanes.place_for_pipelines``)
     F proxy        the sync placement without pool prices (Algorithm 1's pools dealt to lanes by F, microbatch
                    order by the F proxy): what shipped before the proxy
-    exact          the priced lanes with every candidate pool planned and priced (``sim.pools``: the planner's
-                   plan, peers coupled, forward and backward): what the proxy approximates; not runnable by the
-                   sampler, which orders a window before its pools are planned
+    exact          the shipped placement with every candidate pool planned and priced (``sim.pools``: the planner's
+                   plan, peers coupled, forward and backward), the same three candidates and lane balancing: what
+                   the proxy approximates; not runnable by the sampler, which orders a window before its pools
+                   are planned
 
 Run:  .venv/bin/python benchmarks/bench_pp_priced_lanes.py --trace data/traces/wikipedia-flexsp.txt --pp 2
       [--model qwen3-30b-a3b] [--windows 8] [--vpp 1]      (256K, GBS 128, DP 32, CP 8, configs/libra/256k.yaml)
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from libra_megatron.config import SequencePlacement  # noqa: E402
 from libra_megatron.plan.sequences import place_sequences  # noqa: E402
-from libra_megatron.plan.sequences.priced_lanes import priced_lane_order  # noqa: E402
+from libra_megatron.plan.sequences.priced_lanes import place_for_pipelines  # noqa: E402
 from libra_megatron.sim import runner  # noqa: E402
 from libra_megatron.sim.__main__ import _load_traces, parse_args, spec_from_args  # noqa: E402
 
@@ -39,13 +40,14 @@ LABELS = {"contiguous": "sampler", "alg1": "alg1", "placed": "shipped", "f_proxy
 
 
 def exact_order(win, spec, ev, cand, layout):
-    """The priced-lanes order with every candidate pool planned and priced by the simulator's evaluator (the pool's
-    slowest worker per phase; a pool's P x CP GPUs fill whole nodes at these layouts, so it starts at GPU 0)."""
+    """The shipped placement (``place_for_pipelines``) with every candidate pool planned and priced by the
+    simulator's evaluator (the pool's slowest worker per phase; a pool's P x CP GPUs fill whole nodes at these
+    layouts, so it starts at GPU 0)."""
     def pool_seconds(pools):
         results = [ev.evaluate(win.ids[p], cand.knobs, spec.tile_placement, 0) for p in pools]
         return np.array([r.fwd_seconds.max() for r in results]), np.array([r.bwd_seconds.max() for r in results])
 
-    return priced_lane_order(win.flops, layout, pool_seconds)
+    return place_for_pipelines(win.flops, layout, pool_seconds)[0]
 
 
 def simulated_windows(description: str, argv=None):

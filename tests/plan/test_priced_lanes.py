@@ -8,9 +8,11 @@ import pytest
 from libra_megatron.config import SequencePlacement
 from libra_megatron.plan.sequences import SyncLayout, place_for_sync, place_sequences, run_lane_pipelines
 from libra_megatron.plan.sequences.lanes import priced_lanes_apply
-from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, assemble_order, balance_lane_seconds, choose_lanes,
-                                                        lane_groupings, microbatch_orders, place_for_pipelines,
-                                                        priced_lane_order, priced_step_seconds)
+from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, PIPELINE_BALANCE_GA, assemble_order,
+                                                        balance_lane_pipelines, fastest_balanced,
+                                                        balance_lane_seconds, choose_lanes, lane_groupings,
+                                                        microbatch_orders, place_for_pipelines, priced_lane_order,
+                                                        priced_step_seconds)
 
 
 def _span(f, b, layout):
@@ -119,17 +121,20 @@ def test_place_for_pipelines_is_never_slower_than_its_candidates(pp, vpp, dp, po
     for seed in range(4):
         layout = SyncLayout(dp, pool, ga, pipeline_parallel_size=pp, virtual_pipeline_size=vpp)
         flops, pool_seconds = _skewed_window(seed, dp * ga)
-        sync = place_for_sync(flops, layout)
-        order, name = place_for_pipelines(flops, layout, pool_seconds, sync)
+        order, name = place_for_pipelines(flops, layout, pool_seconds)
         assert sorted(order.tolist()) == list(range(dp * ga))  # the step's multiset
         best = priced_step_seconds(order, layout, pool_seconds)
-        others = {"priced lanes": priced_lane_order(flops, layout, pool_seconds), "sync": sync,
+        others = {"priced lanes": priced_lane_order(flops, layout, pool_seconds),
                   "alg1": place_sequences(flops, pool, SequencePlacement.ALG1), "sampler": np.arange(dp * ga)}
         for other in others.values():
             assert best <= priced_step_seconds(other, layout, pool_seconds)
-        assert np.array_equal(order, others[name]) and name in CANDIDATES
+        assert name in CANDIDATES and _pool_sets(order, pool) == _pool_sets(others[name], pool)  # lanes evened whole
         again = place_sequences(flops, pool, SequencePlacement.SYNC, layout, pool_seconds)
         assert np.array_equal(again, order)  # the entry point runs it, deterministically
+
+
+def _pool_sets(order, pool):
+    return sorted(sorted(p) for p in np.asarray(order).reshape(-1, pool).tolist())
 
 
 def test_priced_lanes_beat_the_f_proxy_when_seconds_are_not_f():
@@ -205,3 +210,80 @@ def test_bad_pool_seconds_are_a_clear_error():
     with pytest.raises(ValueError, match="finite seconds >= 0"):
         place_sequences(flops, 2, SequencePlacement.SYNC, layout,
                         lambda pools: (np.full(len(pools), np.nan), np.ones(len(pools))))
+
+
+def _by_sequence(price):
+    """pool_seconds of one-sequence pools: forward ``price[position]``, backward twice that."""
+    def pool_seconds(pools):
+        f = np.array([price[int(p[0])] for p in pools])
+        return f, 2.0 * f
+    return pool_seconds
+
+
+def test_balance_lane_pipelines_by_hand():
+    """PP = 2, two lanes of two one-sequence pools, B = 2F. Lane 0 runs F (3, 3): s0 F0 [0,3]; s1 F0 [3,6] B0 [6,12];
+    s0 F1 [3,6] B0 [12,18]; s1 F1 [12,15] B1 [15,21]; s0 B1 [21,27] -> 27. Lane 1 runs (1, 1) -> 9. Any swap of a
+    3 with a 1 gives lanes (1, 3) -> 19 and (3, 1), whose best order (1, 3) is 19 (test_choose_lanes' timelines).
+    Then the lanes are even: no swap lowers 19."""
+    layout = SyncLayout(2, 1, 2, pipeline_parallel_size=2)
+    pool_seconds = _by_sequence({0: 3.0, 1: 1.0, 2: 3.0, 3: 1.0})  # GA-major: lane 0 = positions 0, 2
+    assert priced_step_seconds(np.arange(4), layout, pool_seconds) == pytest.approx(27.0)
+    out, step = balance_lane_pipelines(np.arange(4), layout, pool_seconds)
+    assert step == pytest.approx(19.0)
+    assert priced_step_seconds(out, layout, pool_seconds) == pytest.approx(19.0)
+    lanes = out.reshape(2, 2).T  # [lane, GA]
+    assert all(sorted(pool_seconds(lane[:, None])[0].tolist()) == [1.0, 3.0] for lane in lanes)
+    assert all(pool_seconds(lane[:, None])[0].tolist() == [1.0, 3.0] for lane in lanes)  # light first: 19, not 20
+    # lanes already even: nothing moves, and a lane's order is only changed where that is shorter
+    even, _ = balance_lane_pipelines(np.array([1, 3, 0, 2]), layout, _by_sequence({0: 3.0, 1: 1.0, 2: 3.0, 3: 1.0}))
+    assert even.tolist() == [1, 3, 0, 2]
+
+
+def _brute_force_step(pools, layout, pool_seconds):
+    """The shortest step over every split of ``pools`` [n, P] into two lanes of GA and every microbatch order: each
+    GA-subset's shortest pipeline over all its orders (one pipeline run), then the best split."""
+    ga = layout.num_microbatches
+    fwd, bwd = pool_seconds(pools)
+    subsets = list(itertools.combinations(range(len(pools)), ga))
+    perms = np.array([[s[i] for i in p] for s in subsets for p in itertools.permutations(range(ga))]).T  # [GA, cols]
+    spans = run_lane_pipelines(fwd[perms], layout, bwd[perms]).makespan.reshape(len(subsets), -1).min(axis=1)
+    best = dict(zip(subsets, spans))
+    return min(max(best[s], best[tuple(k for k in range(len(pools)) if k not in s)]) for s in subsets)
+
+
+def test_balance_lane_pipelines_keeps_pools_never_lengthens_and_never_beats_brute_force():
+    rng = np.random.default_rng(11)
+    gains = []
+    for seed in range(6):
+        for pp, vpp in ((2, 1), (3, 1), (2, 2)):
+            ga = 4 if vpp == 2 else 3
+            layout = SyncLayout(4, 2, ga, pipeline_parallel_size=pp, virtual_pipeline_size=vpp)
+            weight = rng.lognormal(0.0, 1.2, 4 * ga)
+            pool_seconds = lambda pools: (weight[pools].sum(axis=1), 2.5 * weight[pools].sum(axis=1)  # noqa: E731
+                                          + weight[pools].max(axis=1))
+            order = rng.permutation(4 * ga)
+            out, step = balance_lane_pipelines(order, layout, pool_seconds)
+            assert sorted(out.tolist()) == list(range(4 * ga)) and _pool_sets(out, 2) == _pool_sets(order, 2)
+            before, after = (priced_step_seconds(o, layout, pool_seconds) for o in (order, out))
+            assert after <= before + 1e-12 and step == after  # the step it reports is the order's
+            assert after >= _brute_force_step(out.reshape(-1, 2), layout, pool_seconds) - 1e-12
+            gains.append(before - after)
+    assert max(gains) > 0  # some window is evened (a pass that returned its input would fail here)
+
+
+def test_fastest_balanced_evens_only_lanes_of_few_microbatches():
+    """Hand cases through ``fastest_balanced``: the fastest candidate evened at GA = 2; a heavy and a light lane at
+    GA above ``PIPELINE_BALANCE_GA`` come back as they are, though evening them would help."""
+    layout = SyncLayout(2, 1, 2, pipeline_parallel_size=2)
+    pool_seconds = _by_sequence({0: 3.0, 1: 1.0, 2: 3.0, 3: 1.0})
+    # the second candidate runs lanes (3, 1) and (3, 1): 20 against the first's 27; evened (each lane 1 then 3): 19
+    order, best = fastest_balanced([np.arange(4), np.array([0, 2, 1, 3])], layout, pool_seconds)
+    assert best == 1 and priced_step_seconds(order, layout, pool_seconds) == pytest.approx(19.0)
+    ga = PIPELINE_BALANCE_GA + 1
+    long = SyncLayout(2, 1, ga, pipeline_parallel_size=2)
+    heavy_lane_0 = _by_sequence({k: 3.0 if k % 2 == 0 else 1.0 for k in range(2 * ga)})  # position k: lane k % 2
+    start = np.arange(2 * ga)
+    _, step = balance_lane_pipelines(start, long, heavy_lane_0)
+    assert step < priced_step_seconds(start, long, heavy_lane_0)  # evening would help here ...
+    order, best = fastest_balanced([start], long, heavy_lane_0)
+    assert best == 0 and np.array_equal(order, start)  # ... but lanes this long are left as they are

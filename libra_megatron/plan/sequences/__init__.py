@@ -5,7 +5,7 @@
     sync        the synchronisation model: lanes, EP ties, Megatron's pipeline schedules, DP at step end
     placement   ``place_sequences`` (the one entry point) and ``assign_to_ranks``
     priced_lanes  PP > 1: each lane's grouping and microbatch order by priced pool seconds, guarded by the sync
-                model against the F-proxy order, Algorithm 1's and the sampler's
+                model against Algorithm 1's order and the sampler's, the lanes' pipelines then evened
     pool_proxy  priced pools without plans: a pool's layer seconds from its documents (fitted on priced plans)
 
 Every order is a permutation of the step's sequences: the sample multiset is kept by construction.

@@ -27,7 +27,7 @@ microbatches are put in the order (as dealt, lightest first, heaviest first, lig
 pipeline is shortest under the proxy; the guard of step 4 follows. (Like-with-like pools at PP=2, 6 windows:
 wikipedia 3.17 vs 4.55 x the lower bound, but linux 1.325 vs 1.142: uneven microbatches cost bubbles, and
 the planner's F proxy cannot see the exchange bytes that would decide between them; ``place_sequences`` with the
-sampler's pool prices runs ``plan.sequences.priced_lanes`` instead, which can, and keeps this order as one candidate.)
+sampler's pool prices runs ``plan.sequences.priced_lanes`` instead, which can.)
 When an EP group ties lanes (``SyncLayout.ep_ties_lanes``), tied lanes wait for each other at every MoE
 layer, so balancing lane totals does not help: the per-instance ``refined`` order is used. Deterministic
 (stable sorts, fixed tie-breaks); the output is a permutation, so the step's sample multiset is kept.

@@ -42,14 +42,11 @@ def place_sequences(flops, pool_size: int, method=SequencePlacement.REFINED, lay
     if method is SequencePlacement.SYNC and layout is not None:
         if layout.pool_size != pool_size:
             raise ValueError(f"the sync layout's pool size {layout.pool_size} differs from pool_size (P) {pool_size}")
-        alg1 = place_alg1(flops, pool_size) if priced_lanes_apply(layout) else None  # lanes run apart: both read it
-        order = place_for_sync(flops, layout, alg1)
-        if pool_seconds is not None and priced_lanes_apply(layout):
-            if layout.pipeline_parallel_size > 1:
-                order, _ = place_for_pipelines(flops, layout, pool_seconds, order, alg1)
-            else:
-                order = balance_lane_seconds(order, layout, pool_seconds)
-        return order
+        priced = pool_seconds is not None and priced_lanes_apply(layout)
+        if priced and layout.pipeline_parallel_size > 1:
+            return place_for_pipelines(flops, layout, pool_seconds)[0]
+        order = place_for_sync(flops, layout)
+        return balance_lane_seconds(order, layout, pool_seconds) if priced else order
     return _PLACERS[method](flops, pool_size)
 
 

@@ -11,9 +11,14 @@ shortest (``choose_lanes``). A lane decides from its own pools only: lanes meet 
 reduction, so the choice of one lane does not change another's time.
 
 ``place_for_pipelines`` is what ``place_sequences(..., SYNC, layout, pool_seconds)`` runs at PP > 1: the priced
-lanes, the F-proxy sync order (``lanes.place_for_sync``), Algorithm 1's order and the sampler order are scored by
-the same sync model with the same pool seconds (``priced_step_seconds``) and the fastest is kept (ties: that
-order), so it is never slower than Algorithm 1's or the sampler's under the model it is given. The sampler and
+lanes, Algorithm 1's order and the sampler order are scored by the same sync model with the same pool seconds
+(``priced_step_seconds``) and the fastest is kept (ties: that order), so it is never slower than Algorithm 1's or
+the sampler's under the model it is given. (The F-proxy sync order, ``lanes.place_for_sync``, was a fourth
+candidate; under priced pools it never won -- 18 simulated windows of both traces at PP 2 / 4 / VPP 2, and 12
+GBS-1024 layouts of the VRSP benchmark -- and its ~1 ms now pays for the balancing below.) Its lanes were cut
+by F, so their pipelines are not even in seconds: ``balance_lane_pipelines`` then swaps whole pools between the
+lane whose pipeline is longest and the one shortest (each lane re-ordered, every swap priced by both pipelines),
+and the result is kept where the model finds it faster. The sampler and
 the simulator give it ``plan.sequences.pool_proxy`` (priced pools without plans: VRSP runs before the planner);
 ``benchmarks/bench_pp_priced_lanes.py`` gives it the plans' own priced seconds to measure what the proxy leaves.
 Every order is a permutation of the window (the multiset is kept). Deterministic.
@@ -31,11 +36,17 @@ from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1, place_contiguous
 
 __all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lanes", "assemble_order",
-           "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "balance_lane_seconds", "PoolSeconds"]
+           "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "balance_lane_seconds", "balance_lane_pipelines", "fastest_balanced",
+           "PoolSeconds"]
 
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
-CANDIDATES = ("priced lanes", "sync", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
+CANDIDATES = ("priced lanes", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
 EXHAUSTIVE_GA = 5  # up to this many microbatches a lane tries every order (5! = 120), after microbatch_orders'
+PIPELINE_SWAP_CANDIDATES = 16  # pool swaps priced per round of balance_lane_pipelines (all of them up to GA = 4)
+PIPELINE_SWAP_ROUNDS = 8  # at most this many swaps per balance_lane_pipelines call
+# lanes of at most this many microbatches are evened (fastest_balanced): whole pools are coarse there (wikipedia 256K
+# GA 4: the step -0.7..-7.4% per window); at GBS 1024 (GA 8-32) the same pass gained 0-0.17% for 1.5 ms at GA 32
+PIPELINE_BALANCE_GA = 5
 
 GROUPINGS = ("like", "alg1")
 
@@ -134,17 +145,89 @@ def _steps(orders: Sequence[np.ndarray], layout: SyncLayout, pool_seconds: PoolS
     return run_lane_pipelines(fwd, layout, bwd).makespan.reshape(len(orders), lanes).max(axis=1)
 
 
-def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, sync_order,
-                        alg1=None) -> Tuple[np.ndarray, str]:
-    """(order, its name in ``CANDIDATES``): the fastest of the priced lanes, ``sync_order`` (the F-proxy sync
-    placement), Algorithm 1's order (``alg1`` when the caller has it) and the sampler order under
-    ``priced_step_seconds``; ties keep the earlier."""
+def place_for_pipelines(flops, layout: SyncLayout, pool_seconds: PoolSeconds, alg1=None) -> Tuple[np.ndarray, str]:
+    """(order, the name in ``CANDIDATES`` of the order it came from): the fastest of the priced lanes, Algorithm
+    1's order (``alg1`` when the caller has it) and the sampler order under ``priced_step_seconds`` (ties keep the
+    earlier), its lanes then evened (``fastest_balanced``)."""
     flops = np.asarray(flops, dtype=np.float64).reshape(-1)
     alg1 = place_alg1(flops, layout.pool_size) if alg1 is None else np.asarray(alg1, dtype=np.int64)
-    candidates = (priced_lane_order(flops, layout, pool_seconds), np.asarray(sync_order, dtype=np.int64),
-                  alg1, place_contiguous(flops, layout.pool_size))
-    best = int(np.argmin(_steps(candidates, layout, pool_seconds)))  # the first of equal steps
-    return candidates[best], CANDIDATES[best]
+    candidates = (priced_lane_order(flops, layout, pool_seconds), alg1, place_contiguous(flops, layout.pool_size))
+    order, best = fastest_balanced(candidates, layout, pool_seconds)
+    return order, CANDIDATES[best]
+
+
+def fastest_balanced(candidates: Sequence[np.ndarray], layout: SyncLayout,
+                     pool_seconds: PoolSeconds) -> Tuple[np.ndarray, int]:
+    """(order, index of the candidate it came from): the fastest of ``candidates`` under ``priced_step_seconds``
+    (the first of equal steps), then, where lanes run at most ``PIPELINE_BALANCE_GA`` microbatches, its lanes'
+    pipelines evened by ``balance_lane_pipelines`` where that is strictly faster under the same prices."""
+    steps = _steps(candidates, layout, pool_seconds)
+    best = int(np.argmin(steps))
+    if layout.num_microbatches > PIPELINE_BALANCE_GA:
+        return np.asarray(candidates[best], dtype=np.int64), best
+    balanced, step = balance_lane_pipelines(candidates[best], layout, pool_seconds)
+    if step < steps[best]:
+        return balanced, best
+    return np.asarray(candidates[best], dtype=np.int64), best
+
+
+def balance_lane_pipelines(order, layout: SyncLayout, pool_seconds: PoolSeconds) -> Tuple[np.ndarray, float]:
+    """PP > 1: ``order``'s pools swapped whole between the lane whose pipeline is longest and the one shortest,
+    each lane in its shortest microbatch order (``_lane_orders``), while a swap shortens the longer of the two
+    (at most ``PIPELINE_SWAP_ROUNDS``; each round prices the ``PIPELINE_SWAP_CANDIDATES`` swaps whose summed
+    seconds move nearest half the two lanes' gap, every one by both lanes' pipelines, in one run). Pools keep
+    their sequences (priced once) and the step never gets longer under ``pool_seconds``: the lanes' pipelines are
+    each the shortest of their candidate orders, which include the order given. Returns (int64 (GBS,), GA-major,
+    pool-minor; its step under ``pool_seconds``: the longest lane's pipeline)."""
+    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
+    pools = np.asarray(order, dtype=np.int64).reshape(ga * lanes, pool)
+    fwd, bwd = _checked_seconds(pool_seconds, pools)
+    by_lane = np.arange(ga * lanes).reshape(ga, lanes).T.copy()  # [lanes, GA] pool indices, in run order
+    span, run_order = _shortest_pipelines(fwd[by_lane.T], bwd[by_lane.T], layout)  # [lanes], [GA, lanes]
+    for _ in range(PIPELINE_SWAP_ROUNDS):
+        long, short = int(span.argmax()), int(span.argmin())
+        if long == short:
+            break
+        trial_long, trial_short = _swap_trials(fwd + bwd, by_lane[long], by_lane[short])  # [S, GA] each
+        trials = np.concatenate([trial_long, trial_short]).T  # [GA, 2S]
+        spans, orders = _shortest_pipelines(fwd[trials], bwd[trials], layout)
+        count = len(trial_long)
+        pair = np.maximum(spans[:count], spans[count:])
+        k = int(pair.argmin())  # the first of equal maxima
+        if pair[k] >= span[long]:
+            break
+        for lane, trial, column in ((long, trial_long[k], k), (short, trial_short[k], count + k)):
+            by_lane[lane], span[lane], run_order[:, lane] = trial, spans[column], orders[:, column]
+    chosen = [pools[by_lane[j][run_order[:, j]]] for j in range(lanes)]
+    return assemble_order(chosen, layout), float(span.max())
+
+
+def _shortest_pipelines(fwd: np.ndarray, bwd: np.ndarray, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
+    """(makespan [C], microbatch order int64 [GA, C]) of every column's shortest candidate order (``_lane_orders``;
+    ties: the earlier) for pools' seconds ``fwd``, ``bwd`` [GA, C] -- all of them in one pipeline run."""
+    orders = _lane_orders(fwd + bwd)  # [O, GA, C]
+    count, ga, columns = orders.shape
+    cols_f = np.take_along_axis(fwd[None], orders, axis=1).transpose(1, 0, 2).reshape(ga, -1)
+    cols_b = np.take_along_axis(bwd[None], orders, axis=1).transpose(1, 0, 2).reshape(ga, -1)
+    spans = run_lane_pipelines(cols_f, layout, cols_b).makespan.reshape(count, columns)
+    best = spans.argmin(axis=0)
+    every = np.arange(columns)
+    return spans[best, every], orders[best, :, every].T
+
+
+def _swap_trials(total: np.ndarray, long: np.ndarray, short: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The two lanes (pool indices [GA]) after each candidate swap of one pool of ``long`` with one of ``short``:
+    the ``PIPELINE_SWAP_CANDIDATES`` whose moved seconds (``total`` per pool) are nearest half the lanes' gap
+    (stable: the earlier pair on ties). Returns ([S, GA], [S, GA])."""
+    moved = total[long][:, None] - total[short][None, :]  # [GA, GA]
+    half_gap = 0.5 * float(total[long].sum() - total[short].sum())
+    pick = np.argsort(np.abs(moved - half_gap).reshape(-1), kind="stable")[:PIPELINE_SWAP_CANDIDATES]
+    slot_long, slot_short = np.divmod(pick, short.size)
+    rows = np.arange(pick.size)
+    trial_long = np.repeat(long[None], pick.size, axis=0)
+    trial_short = np.repeat(short[None], pick.size, axis=0)
+    trial_long[rows, slot_long], trial_short[rows, slot_short] = short[slot_short], long[slot_long]
+    return trial_long, trial_short
 
 
 def balance_lane_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -> np.ndarray:
