@@ -9,8 +9,8 @@ from libra_megatron.config import SequencePlacement
 from libra_megatron.plan.sequences import SyncLayout, place_for_sync, place_sequences, run_lane_pipelines
 from libra_megatron.plan.sequences.lanes import priced_lanes_apply
 from libra_megatron.plan.sequences.priced_lanes import (CANDIDATES, PIPELINE_BALANCE_GA, assemble_order,
-                                                        balance_lane_pipelines, fastest_balanced,
-                                                        balance_lane_seconds, choose_lanes, lane_groupings,
+                                                        balance_lane_pipelines, balance_lane_seconds,
+                                                        choose_lanes, fastest_balanced, lane_groupings,
                                                         microbatch_orders, place_for_pipelines, priced_lane_order,
                                                         priced_step_seconds)
 
@@ -287,3 +287,4 @@ def test_fastest_balanced_evens_only_lanes_of_few_microbatches():
     assert step < priced_step_seconds(start, long, heavy_lane_0)  # evening would help here ...
     order, best = fastest_balanced([start], long, heavy_lane_0)
     assert best == 0 and np.array_equal(order, start)  # ... but lanes this long are left as they are
+

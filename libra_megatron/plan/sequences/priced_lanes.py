@@ -15,10 +15,10 @@ lanes, Algorithm 1's order and the sampler order are scored by the same sync mod
 (``priced_step_seconds``) and the fastest is kept (ties: that order), so it is never slower than Algorithm 1's or
 the sampler's under the model it is given. (The F-proxy sync order, ``lanes.place_for_sync``, was a fourth
 candidate; under priced pools it never won -- 18 simulated windows of both traces at PP 2 / 4 / VPP 2, and 12
-GBS-1024 layouts of the VRSP benchmark -- and its ~1 ms now pays for the balancing below.) Its lanes were cut
-by F, so their pipelines are not even in seconds: ``balance_lane_pipelines`` then swaps whole pools between the
-lane whose pipeline is longest and the one shortest (each lane re-ordered, every swap priced by both pipelines),
-and the result is kept where the model finds it faster. The sampler and
+GBS-1024 layouts of the VRSP benchmark -- and its ~1 ms now pays for the balancing below.) The lanes were cut
+by F, so their pipelines are not even in seconds: ``balance_lane_pipelines`` then swaps the winner's pools whole
+between the lane whose pipeline is longest and the one shortest (each lane re-ordered, every swap priced by both
+pipelines), and the result is kept where the model finds it faster (``fastest_balanced``). The sampler and
 the simulator give it ``plan.sequences.pool_proxy`` (priced pools without plans: VRSP runs before the planner);
 ``benchmarks/bench_pp_priced_lanes.py`` gives it the plans' own priced seconds to measure what the proxy leaves.
 Every order is a permutation of the window (the multiset is kept). Deterministic.
@@ -36,8 +36,8 @@ from .sync import SyncLayout, run_lane_pipelines
 from .vrsp import place_alg1, place_contiguous
 
 __all__ = ["GROUPINGS", "CANDIDATES", "lane_groupings", "microbatch_orders", "choose_lanes", "assemble_order",
-           "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "balance_lane_seconds", "balance_lane_pipelines", "fastest_balanced",
-           "PoolSeconds"]
+           "priced_lane_order", "priced_step_seconds", "place_for_pipelines", "fastest_balanced",
+           "balance_lane_pipelines", "balance_lane_seconds", "PoolSeconds"]
 
 PoolSeconds = Callable[[np.ndarray], Tuple[np.ndarray, np.ndarray]]  # pools [n, P] -> (forward [n], backward [n])
 CANDIDATES = ("priced lanes", "alg1", "sampler")  # place_for_pipelines' orders, in tie-break order
@@ -160,7 +160,9 @@ def fastest_balanced(candidates: Sequence[np.ndarray], layout: SyncLayout,
                      pool_seconds: PoolSeconds) -> Tuple[np.ndarray, int]:
     """(order, index of the candidate it came from): the fastest of ``candidates`` under ``priced_step_seconds``
     (the first of equal steps), then, where lanes run at most ``PIPELINE_BALANCE_GA`` microbatches, its lanes'
-    pipelines evened by ``balance_lane_pipelines`` where that is strictly faster under the same prices."""
+    pipelines evened by ``balance_lane_pipelines`` where that is strictly faster under the same prices (a floor on
+    the gain, 1%, against the proxy's noise was priced: wikipedia 256K 30B PP=2 1.649 -> 1.666, linux 8B 1.176 ->
+    1.175; not kept)."""
     steps = _steps(candidates, layout, pool_seconds)
     best = int(np.argmin(steps))
     if layout.num_microbatches > PIPELINE_BALANCE_GA:
