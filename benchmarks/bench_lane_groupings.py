@@ -3,9 +3,10 @@
 The shipped priced lanes (``plan.sequences.priced_lanes``) try two groupings of every lane's GA*P sequences --
 like with like, and Algorithm 1 inside the lane -- price each pool with the pool proxy, keep per lane the grouping
 and microbatch order whose pipeline is shortest, then keep the fastest of that order, Algorithm 1's and the
-sampler's under the same proxy, its lanes' pipelines then evened by whole-pool swaps. This script adds candidate groupings to the first step and
-runs the same guard (public ``choose_lanes`` / ``assemble_order`` / ``priced_step_seconds``), then prices every
-resulting order with the simulator's plans (``sim.runner.sync_timings``: whole layer, peers coupled):
+sampler's under the same proxy, its lanes' pipelines then evened by whole-pool swaps. This script adds candidate
+groupings to the first step and runs the same guard (public ``choose_lanes`` / ``assemble_order`` /
+``fastest_balanced``), then prices every resulting order with the simulator's plans (``sim.runner.sync_timings``:
+whole layer, peers coupled):
 
     halves     each pool takes P/2 consecutive sequences of the lane's heavier half (by F) and the mirror P/2 of its
                lighter half: microbatches more even than like with like, each half still homogeneous
@@ -60,8 +61,8 @@ VARIANTS = {"shipped": (), "+halves": ("halves",), "+pairswap": ("pairswap",)}  
 
 def guarded_order(flops, layout, pool_seconds, extra):
     """``place_for_pipelines`` with the shipped ``priced_lanes.lane_groupings`` of every lane plus the groupings
-    ``extra``: the priced lanes, then the fastest of them, Algorithm 1's and the sampler's
-    under ``pool_seconds`` (ties: the earlier), its lanes' pipelines evened (``fastest_balanced``)."""
+    ``extra``: the priced lanes, then the fastest of them, Algorithm 1's and the sampler's under ``pool_seconds``
+    (ties: the earlier), its lanes' pipelines evened (``fastest_balanced``)."""
     ga, pool = layout.num_microbatches, layout.pool_size
     grids = np.stack([np.stack([shipped[n] for n in GROUPINGS] + [EXTRA[n](flops, lane, pool, ga) for n in extra])
                       for lane, shipped in zip(lane_members(flops, layout), lane_groupings(flops, layout))])

@@ -76,16 +76,11 @@ def choose_lanes(fwd, bwd, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"choose_lanes needs forward and backward seconds [groupings, GA = {layout.num_microbatches}, "
                          f"lanes], got {fwd.shape} and {bwd.shape}")
     groupings, ga, lanes = fwd.shape
-    orders = _lane_orders((fwd + bwd).transpose(1, 0, 2))  # [O, GA, G, lanes]
-    grouping_index = np.arange(groupings).reshape(1, 1, -1, 1)
-    lane_index = np.arange(lanes).reshape(1, 1, 1, -1)
-    # every order of every grouping and lane in one gather: [GA, G, O, lanes], one pipeline column each
-    cols_f = fwd[grouping_index, orders, lane_index].transpose(1, 2, 0, 3)
-    cols_b = bwd[grouping_index, orders, lane_index].transpose(1, 2, 0, 3)
-    spans = run_lane_pipelines(cols_f.reshape(ga, -1), layout, cols_b.reshape(ga, -1)).makespan
-    best = spans.reshape(groupings * len(orders), lanes).argmin(axis=0)  # grouping-major: the first minimum
-    grouping, which = best // len(orders), best % len(orders)
-    chosen = orders[which, :, grouping, np.arange(lanes)].T  # [GA, lanes]
+    # one column per (grouping, lane), grouping-major, each at its shortest order (the earlier on ties)
+    spans, orders = _shortest_pipelines(fwd.transpose(1, 0, 2).reshape(ga, -1), bwd.transpose(1, 0, 2).reshape(ga, -1),
+                                        layout)
+    grouping = spans.reshape(groupings, lanes).argmin(axis=0)  # the first minimum: the earlier grouping
+    chosen = orders.reshape(ga, groupings, lanes)[:, grouping, np.arange(lanes)]  # [GA, lanes]
     return grouping.astype(np.int64), chosen.astype(np.int64)
 
 
@@ -165,11 +160,10 @@ def fastest_balanced(candidates: Sequence[np.ndarray], layout: SyncLayout,
     1.175; not kept)."""
     steps = _steps(candidates, layout, pool_seconds)
     best = int(np.argmin(steps))
-    if layout.num_microbatches > PIPELINE_BALANCE_GA:
-        return np.asarray(candidates[best], dtype=np.int64), best
-    balanced, step = balance_lane_pipelines(candidates[best], layout, pool_seconds)
-    if step < steps[best]:
-        return balanced, best
+    if layout.num_microbatches <= PIPELINE_BALANCE_GA:
+        balanced, step = balance_lane_pipelines(candidates[best], layout, pool_seconds)
+        if step < steps[best]:
+            return balanced, best
     return np.asarray(candidates[best], dtype=np.int64), best
 
 
