@@ -90,6 +90,8 @@ def test_bad_input_is_a_clear_error():
         choose_lanes(np.ones((2, 2, 2)), np.ones((1, 2, 2)), layout)
     with pytest.raises(ValueError, match="lanes chosen"):
         assemble_order([np.zeros((2, 2))], layout)
+    with pytest.raises(ValueError, match="the order has 6 positions but GA\\*DP = 2\\*4 = 8"):
+        balance_lane_pipelines(np.arange(6), layout, lambda pools: (np.ones(len(pools)), np.ones(len(pools))))
 
 
 def test_priced_step_seconds_by_hand():

@@ -176,7 +176,11 @@ def balance_lane_pipelines(order, layout: SyncLayout, pool_seconds: PoolSeconds)
     each the shortest of their candidate orders, which include the order given. Returns (int64 (GBS,), GA-major,
     pool-minor; its step under ``pool_seconds``: the longest lane's pipeline)."""
     ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    pools = np.asarray(order, dtype=np.int64).reshape(ga * lanes, pool)
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    if order.size != ga * lanes * pool:
+        raise ValueError(f"balance_lane_pipelines: the order has {order.size} positions but GA*DP = {ga}*"
+                         f"{layout.data_parallel_size} = {ga * lanes * pool}")
+    pools = order.reshape(ga * lanes, pool)
     fwd, bwd = _checked_seconds(pool_seconds, pools)
     by_lane = np.arange(ga * lanes).reshape(ga, lanes).T.copy()  # [lanes, GA] pool indices, in run order
     span, run_order = _shortest_pipelines(fwd[by_lane.T], bwd[by_lane.T], layout)  # [lanes], [GA, lanes]
@@ -235,7 +239,11 @@ def balance_lane_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -
     multiset and every pool are kept. int64 (GBS,), GA-major, pool-minor (pool g*lanes + j: lane j's g-th
     microbatch; at PP = 1 its position in the lane does not matter)."""
     ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    pools = np.asarray(order, dtype=np.int64).reshape(ga * lanes, pool)
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    if order.size != ga * lanes * pool:
+        raise ValueError(f"balance_lane_pipelines: the order has {order.size} positions but GA*DP = {ga}*"
+                         f"{layout.data_parallel_size} = {ga * lanes * pool}")
+    pools = order.reshape(ga * lanes, pool)
     fwd, bwd = _checked_seconds(pool_seconds, pools)
     by_lane = np.arange(ga * lanes).reshape(ga, lanes).T  # [lanes, GA] pool indices
     by_lane = swap_heaviest_with_lightest(fwd + bwd, by_lane, LANE_SWAPS_PER_GROUP * lanes)
