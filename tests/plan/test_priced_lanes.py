@@ -90,8 +90,11 @@ def test_bad_input_is_a_clear_error():
         choose_lanes(np.ones((2, 2, 2)), np.ones((1, 2, 2)), layout)
     with pytest.raises(ValueError, match="lanes chosen"):
         assemble_order([np.zeros((2, 2))], layout)
-    with pytest.raises(ValueError, match="the order has 6 positions but GA\\*DP = 2\\*4 = 8"):
-        balance_lane_pipelines(np.arange(6), layout, lambda pools: (np.ones(len(pools)), np.ones(len(pools))))
+    ones = lambda pools: (np.ones(len(pools)), np.ones(len(pools)))  # noqa: E731
+    with pytest.raises(ValueError, match="balance_lane_pipelines: the order has 6 positions but GA\\*DP = 2\\*4 = 8"):
+        balance_lane_pipelines(np.arange(6), layout, ones)
+    with pytest.raises(ValueError, match="balance_lane_seconds: the order has 6 positions but GA\\*DP = 2\\*4 = 8"):
+        balance_lane_seconds(np.arange(6), SyncLayout(4, 2, 2), ones)
 
 
 def test_priced_step_seconds_by_hand():

@@ -175,12 +175,8 @@ def balance_lane_pipelines(order, layout: SyncLayout, pool_seconds: PoolSeconds)
     their sequences (priced once) and the step never gets longer under ``pool_seconds``: the lanes' pipelines are
     each the shortest of their candidate orders, which include the order given. Returns (int64 (GBS,), GA-major,
     pool-minor; its step under ``pool_seconds``: the longest lane's pipeline)."""
-    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    order = np.asarray(order, dtype=np.int64).reshape(-1)
-    if order.size != ga * lanes * pool:
-        raise ValueError(f"balance_lane_pipelines: the order has {order.size} positions but GA*DP = {ga}*"
-                         f"{layout.data_parallel_size} = {ga * lanes * pool}")
-    pools = order.reshape(ga * lanes, pool)
+    ga, lanes = layout.num_microbatches, layout.num_lanes
+    pools = _order_pools(order, layout, "balance_lane_pipelines")
     fwd, bwd = _checked_seconds(pool_seconds, pools)
     by_lane = np.arange(ga * lanes).reshape(ga, lanes).T.copy()  # [lanes, GA] pool indices, in run order
     span, run_order = _shortest_pipelines(fwd[by_lane.T], bwd[by_lane.T], layout)  # [lanes], [GA, lanes]
@@ -200,6 +196,16 @@ def balance_lane_pipelines(order, layout: SyncLayout, pool_seconds: PoolSeconds)
             by_lane[lane], span[lane], run_order[:, lane] = trial, spans[column], orders[:, column]
     chosen = [pools[by_lane[j][run_order[:, j]]] for j in range(lanes)]
     return assemble_order(chosen, layout), float(span.max())
+
+
+def _order_pools(order, layout: SyncLayout, caller: str) -> np.ndarray:
+    """int64 [GA*DP/P, P]: the window's pools of ``order`` (GA-major, pool-minor); a wrong size is a ValueError."""
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    expected = layout.num_microbatches * layout.data_parallel_size
+    if order.size != expected:
+        raise ValueError(f"{caller}: the order has {order.size} positions but GA*DP = {layout.num_microbatches}*"
+                         f"{layout.data_parallel_size} = {expected}")
+    return order.reshape(-1, layout.pool_size)
 
 
 def _shortest_pipelines(fwd: np.ndarray, bwd: np.ndarray, layout: SyncLayout) -> Tuple[np.ndarray, np.ndarray]:
@@ -238,12 +244,8 @@ def balance_lane_seconds(order, layout: SyncLayout, pool_seconds: PoolSeconds) -
     most ``LANE_SWAPS_PER_GROUP`` per lane. The heaviest lane never gets heavier under the prices, and the window's
     multiset and every pool are kept. int64 (GBS,), GA-major, pool-minor (pool g*lanes + j: lane j's g-th
     microbatch; at PP = 1 its position in the lane does not matter)."""
-    ga, lanes, pool = layout.num_microbatches, layout.num_lanes, layout.pool_size
-    order = np.asarray(order, dtype=np.int64).reshape(-1)
-    if order.size != ga * lanes * pool:
-        raise ValueError(f"balance_lane_pipelines: the order has {order.size} positions but GA*DP = {ga}*"
-                         f"{layout.data_parallel_size} = {ga * lanes * pool}")
-    pools = order.reshape(ga * lanes, pool)
+    ga, lanes = layout.num_microbatches, layout.num_lanes
+    pools = _order_pools(order, layout, "balance_lane_seconds")
     fwd, bwd = _checked_seconds(pool_seconds, pools)
     by_lane = np.arange(ga * lanes).reshape(ga, lanes).T  # [lanes, GA] pool indices
     by_lane = swap_heaviest_with_lightest(fwd + bwd, by_lane, LANE_SWAPS_PER_GROUP * lanes)
