@@ -52,3 +52,15 @@ def test_backward_local_first_study_still_hooks_the_schedule():
     pool = next(line.split() for line in stdout.splitlines() if line.strip().startswith("pool 0:"))
     shipped, every = float(pool[3]), float(pool[6])
     assert shipped > 0 and every != shipped, stdout
+
+
+def test_pp_bounds_benchmark_finds_the_whale_window():
+    """``bench_pp_bounds.py`` as docs/results.md runs it, without the shipped step (no planning): on the wikipedia
+    trace at PP = 4 window 2 holds a pool no grouping avoids whose critical path alone is longer than the simulator's
+    balanced bound, windows 0 and 1 do not; the summary is max(path, bound) over the bound."""
+    stdout = _run_bench("bench_pp_bounds.py", "--trace", "data/traces/wikipedia-flexsp.txt", "--pp", "4",
+                        "--windows", "3", "--no-step")
+    ratios = [float(line.split("lower bound ")[1]) for line in stdout.splitlines() if line.startswith("window")]
+    assert len(ratios) == 3 and ratios[0] < 1 and ratios[1] < 1 and ratios[2] > 1.1, stdout
+    summary = float(stdout.split("max(path, lower bound) / lower bound ")[1].split()[0])
+    assert 1.0 < summary < ratios[2], stdout

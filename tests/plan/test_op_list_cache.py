@@ -83,3 +83,26 @@ def test_a_phase_is_built_and_priced_only_when_read():
     assert np.array_equal(forward.seconds, plan_layer_timing(plans[0], model).forward.seconds)
     pricing.layer()
     assert {key[-1] for key in cache} == {"forward", "backward"}
+
+
+def test_byte_rows_shared_by_phases_and_plans_change_no_op():
+    """``phase_ops(byte_rows=...)``: one dict of bytes-per-peer tuples shared by both phases of both candidates
+    gives the op lists each phase builds alone, and it does share: a rank's forward Q dispatch and its backward dO
+    dispatch (the same split sizes, the same row bytes) carry one tuple object."""
+    from libra_megatron.plan.exchange.op_lists import phase_ops, rank_inputs
+    from libra_megatron.plan.model import Exchange
+
+    _, plans = _candidates()
+    shared = {}
+    for plan in plans:
+        inputs = rank_inputs(plan)
+        built = {phase: phase_ops(inputs, phase, byte_rows=shared) for phase in ("forward", "backward")}
+        for phase, ops in built.items():
+            assert ops == phase_ops(inputs, phase)
+        for fwd, bwd in zip(built["forward"], built["backward"]):
+            q = next(op for op in fwd if type(op) is Exchange and op.tag == "q")
+            do = next(op for op in bwd if type(op) is Exchange and op.tag == "do")
+            assert q.send == do.send and q.send is do.send
+    exchanges = sum(type(op) is Exchange for plan in plans for phase in ("forward", "backward")
+                    for ops in phase_ops(rank_inputs(plan), phase) for op in ops)
+    assert 0 < len(shared) < exchanges  # each distinct (sizes, row bytes) built once, not once per exchange

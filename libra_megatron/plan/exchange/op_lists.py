@@ -49,20 +49,22 @@ def rank_inputs(plan) -> Tuple[tuple, ...]:
 
 
 def phase_ops(inputs: Tuple[tuple, ...], phase: str, save_mode: str = "arranged", relay_comm: str = RELAY,
-              cache: Optional[Dict[tuple, tuple]] = None) -> Tuple[tuple, ...]:
+              cache: Optional[Dict[tuple, tuple]] = None, byte_rows: Optional[dict] = None) -> Tuple[tuple, ...]:
     """The op lists of every rank in one phase ("forward" | "backward"), from ``rank_inputs``. ``cache``: a dict
-    shared by several plans of one pool: a rank whose inputs another candidate already had reuses its list."""
+    shared by several plans of one pool: a rank whose inputs another candidate already had reuses its list.
+    ``byte_rows``: a dict shared by the phases of these inputs (``schedule.rank_phase_ops``; None: one per call)."""
     check_modes(save_mode, relay_comm)
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    byte_rows = {} if byte_rows is None else byte_rows
     if cache is None:
-        return tuple(rank_phase_ops(x, phase, save_mode, relay_comm) for x in inputs)
+        return tuple(rank_phase_ops(x, phase, save_mode, relay_comm, byte_rows) for x in inputs)
     out = []
     for x in inputs:
         key = (rank_ops_key(*x), save_mode, relay_comm, phase)
         ops = cache.get(key)
         if ops is None:
-            ops = cache[key] = rank_phase_ops(x, phase, save_mode, relay_comm)
+            ops = cache[key] = rank_phase_ops(x, phase, save_mode, relay_comm, byte_rows)
         out.append(ops)
     return tuple(out)
 
@@ -70,5 +72,5 @@ def phase_ops(inputs: Tuple[tuple, ...], phase: str, save_mode: str = "arranged"
 def layer_ops(plan, save_mode: str = "arranged", relay_comm: str = RELAY,
               cache: Optional[Dict[tuple, tuple]] = None) -> LayerOps:
     """``rank_layer_ops`` of every rank of an ``ExchangePlan`` (``rank_inputs``, ``phase_ops``; ``cache`` as there)."""
-    inputs = rank_inputs(plan)
-    return LayerOps(*(phase_ops(inputs, phase, save_mode, relay_comm, cache) for phase in PHASES))
+    inputs, byte_rows = rank_inputs(plan), {}
+    return LayerOps(*(phase_ops(inputs, phase, save_mode, relay_comm, cache, byte_rows) for phase in PHASES))

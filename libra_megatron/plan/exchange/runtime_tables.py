@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Tuple
 
 import numpy as np
@@ -116,6 +117,16 @@ class RouteSplits:
         """Splits of ``Route.inverse()``: what was received is sent back."""
         return RouteSplits(self.recv, self.send, sum(self.recv) - self.recv[rank], int(rank))
 
+    @cached_property
+    def send_total(self) -> int:
+        """Rows sent, self segment included (the op lists read it several times per rank)."""
+        return sum(self.send)
+
+    @cached_property
+    def recv_total(self) -> int:
+        """Rows received, self segment included."""
+        return sum(self.recv)
+
     @property
     def self_rows(self) -> int:
         return self.send[self.rank] if self.send else 0
@@ -142,6 +153,14 @@ class EntryLens:
     @property
     def num_entries(self) -> int:
         return len(self.q_lens)
+
+    @cached_property
+    def q_total(self) -> int:
+        return sum(self.q_lens)
+
+    @cached_property
+    def k_total(self) -> int:
+        return sum(self.k_lens)
 
     @staticmethod
     def of(q_lens: np.ndarray, keep: np.ndarray, k_lens: np.ndarray, span=()) -> "EntryLens":
@@ -212,6 +231,11 @@ class RankSizes:
     @property
     def num_entries(self) -> int:
         return len(self.q_lens)
+
+    @cached_property
+    def k_total(self) -> int:
+        """Packed key rows of all the rank's entries."""
+        return sum(self.k_lens)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -57,14 +57,15 @@ class _Sizes:
 class _Rank:
     """Builds one rank's op list (the runtime's ``_Ctx`` + ``PendingExchange`` bookkeeping, host side)."""
 
-    def __init__(self, tables: RankSizes, heads, rank: int, num_workers: int, relay_comm: str):
+    def __init__(self, tables: RankSizes, heads, rank: int, num_workers: int, relay_comm: str,
+                 byte_rows: Optional[dict] = None):
         self.t, self.heads, self.rank, self.W = tables, heads, rank, num_workers
         self.sz = _Sizes(heads)
         self.relay_comm = relay_comm
         self.ops: List[tuple] = []
         self.seq = {POOL: 0, RELAY: 0}
         self._calls = {}  # (id of the entry lengths, causal) -> the call's (entries, q rows, k rows, pairs x heads)
-        self._nbytes = {}  # (split sizes, row bytes) -> bytes per peer (``nbytes``)
+        self._nbytes = {} if byte_rows is None else byte_rows  # ``nbytes``' cache
 
     # ------------------------------------------------------------------ primitives
     def copy(self, op: str, rows: int, row_bytes: int, tag: str, m: int) -> None:
@@ -99,13 +100,13 @@ class _Rank:
         return (comm, seq, tag, m)
 
     def nbytes(self, rows: Tuple[int, ...], row_bytes: int) -> Tuple[int, ...]:
-        """Bytes per peer of split sizes ``rows``: one tuple per (sizes, row bytes) of the rank, shared by the
-        exchanges that repeat it (each chunk's Q, O, dO, dQ)."""
-        key = (rows, row_bytes)
-        out = self._nbytes.get(key)
-        if out is None:
-            out = self._nbytes[key] = tuple(map(int(row_bytes).__mul__, rows))  # rows: Python ints
-        return out
+        """Bytes per peer of split sizes ``rows``: one tuple per (sizes tuple, row bytes), shared by the exchanges that
+        repeat it and (``byte_rows``) the rank's two phases; keyed by the tuple's id, which the cache keeps alive."""
+        key = (id(rows), row_bytes)
+        hit = self._nbytes.get(key)
+        if hit is None or hit[0] is not rows:
+            hit = self._nbytes[key] = (rows, tuple(map(int(row_bytes).__mul__, rows)))  # rows: Python ints
+        return hit[1]
 
     def wait(self, pending) -> None:
         if pending is not None:
@@ -125,19 +126,19 @@ class _Rank:
     # ------------------------------------------------------------------ routes of chunk m
     def dispatch_q(self, m: int, tag: str):
         sp = self.t.q_splits
-        self.copy("gather", sum(sp.send), self.sz.q, tag, m)
+        self.copy("gather", sp.send_total, self.sz.q, tag, m)
         return (self.exchange(sp, self.sz.q, POOL, tag, m), sp)
 
     def dispatch_kv(self, m: int, tag: str):
         sp = self.t.kv_splits
-        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # K rows, straight into the send buffer's K half
-        self.copy("gather", sum(sp.send), self.sz.k, tag, m)  # V rows, into its V half
+        self.copy("gather", sp.send_total, self.sz.k, tag, m)  # K rows, straight into the send buffer's K half
+        self.copy("gather", sp.send_total, self.sz.k, tag, m)  # V rows, into its V half
         return (self.exchange(sp, self.sz.kv, POOL, tag, m), sp)
 
     def give_back(self, splits: RouteSplits, row_bytes: int, wire_bytes: int, tag: str, m: int, held: int = -1):
         """``_return``: gather the arranged rows (at their dtype), cast them to the wire dtype, send them; when the
         dtype changes and the rows sent are all ``held`` arranged rows, cast them first and gather at the wire's."""
-        rows = sum(splits.send)
+        rows = splits.send_total
         if row_bytes != wire_bytes and rows == held:
             self.cast(rows, row_bytes, wire_bytes, tag, m)
             self.copy("gather", rows, wire_bytes, tag, m)
@@ -155,12 +156,12 @@ class _Rank:
     def placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
         """``PendingExchange.placed``: wait, place every received row (a gather when they fill the target)."""
         self.wait(pending[0])
-        self.copy("gather" if self._fills(tag) else "place", sum(pending[1].recv), row_bytes, tag, m)
+        self.copy("gather" if self._fills(tag) else "place", pending[1].recv_total, row_bytes, tag, m)
 
     def self_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
         """``PendingExchange.self_placed``: a gather when the self segment is the whole target, else a place."""
         sp = pending[1]
-        whole = self._fills(tag) and sp.self_rows == sum(sp.recv)
+        whole = self._fills(tag) and sp.self_rows == sp.recv_total
         self.copy("gather" if whole else "place", sp.self_rows, row_bytes, tag, m)
 
     def rest_placed(self, pending, row_bytes: int, tag: str, m: int) -> None:
@@ -168,7 +169,7 @@ class _Rank:
         place the rows before and after the self segment (each part only when it has rows)."""
         self.wait(pending[0])
         sp = pending[1]
-        lo, hi, total = sp.self_recv_offset, sp.self_recv_offset + sp.self_rows, sum(sp.recv)
+        lo, hi, total = sp.self_recv_offset, sp.self_recv_offset + sp.self_rows, sp.recv_total
         if self._fills(tag) and sp.self_rows < total:  # (all rows its own: ``self_placed`` gathered them all)
             self.copy("gather", total, row_bytes, tag, m)
             return
@@ -181,7 +182,7 @@ class _Rank:
         the target's) to the target's, then add them, or copy them: the inverse Q route (O, dQ) fills chunk m's
         rows of the output, so one gather and one dense copy into that strided view; other routes place."""
         self.wait(pending[0])
-        rows = sum(pending[1].recv)
+        rows = pending[1].recv_total
         self.cast(rows, row_bytes if wire_bytes is None else wire_bytes, row_bytes, tag, m)
         if not accumulate and tag in INVERSE_Q_TAGS:
             self.copy("gather", rows, row_bytes, tag, m)
@@ -195,7 +196,7 @@ class _Rank:
         sp = self.t.relay_splits
         if sp is None:
             return None
-        self.copy("gather", sum(sp.send), self.sz.kv, tag, m)
+        self.copy("gather", sp.send_total, self.sz.kv, tag, m)
         return (self.exchange(sp, self.sz.kv, self.relay_comm, tag, m), sp)
 
     def relay_early(self, m: int):
@@ -204,7 +205,7 @@ class _Rank:
         work; None without a relay, where this rank sends rows (it issues after they are placed) or where the relay
         shares the pool's communicator (an early issue would reorder that communicator's exchanges)."""
         sp = self.t.relay_splits
-        if sp is None or sum(sp.send) or self.relay_comm != RELAY:
+        if sp is None or sp.send_total or self.relay_comm != RELAY:
             return None
         return (self.exchange(sp, self.sz.kv, self.relay_comm, "relay", m), sp)
 
@@ -214,22 +215,22 @@ class _Rank:
 
     def fwd_whole(self, m: int) -> None:
         """``runtime.entry_kernels.fwd_chunk``: packed K|V of every entry, one kernel call."""
-        self.packed_kv(sum(self.t.k_lens), "kv", m)
+        self.packed_kv(self.t.k_total, "kv", m)
         self.kernel("fwd", self.t.q_lens, self.t.k_lens, "all", m)
 
     def part_kernel(self, part, m: int, tag: str, causal: bool = True, arranged: bool = True) -> None:
         """``runtime.entry_kernels.part_kernel``: gather the part's keys, read its queries (a view of its slice of the
         arranged Q, ``q_span``; a gather where it has none or ``arranged`` is False: it reads a send buffer), one
         kernel call."""
-        self.packed_kv(sum(part.k_lens), tag, m)
+        self.packed_kv(part.k_total, tag, m)
         if not (arranged and part.q_span is not None):
-            self.copy("gather", sum(part.q_lens), self.sz.q, tag, m)
+            self.copy("gather", part.q_total, self.sz.q, tag, m)
         self.kernel("fwd", part.q_lens, part.k_lens, tag, m, causal)
 
     def write_rows(self, part, out_row_bytes: int, tag: str, m: int) -> None:
         """``runtime.entry_kernels._write_rows``: out and lse rows into the part's slice (a dense copy each), else
         scattered."""
-        n, kind = sum(part.q_lens), "elementwise" if part.q_span is not None else "place"
+        n, kind = part.q_total, "elementwise" if part.q_span is not None else "place"
         for row_bytes in (out_row_bytes, self.sz.qp * self.sz.lse):
             self.copy(kind, n, row_bytes, tag, m)
 
@@ -242,7 +243,7 @@ class _Rank:
     def merge_heads(self, m: int) -> None:
         """``runtime.entry_kernels.merge_heads``: read the tails' lse and out rows, write the merged rows back."""
         part, sz = self.t.heads, self.sz
-        n = sum(part.q_lens)
+        n = part.q_total
         if part.q_span is None:
             self.copy("gather", n, sz.qp * sz.lse, "merge", m)
             self.copy("gather", n, sz.q, "merge", m)
@@ -299,7 +300,7 @@ class _FwdChunk:
         if relayed is None and self.kv_pend is not None:
             relayed = rk.relay(m, "relay")
         if relayed is not None:
-            if sum(rk.t.relay_splits.recv) > 0:
+            if rk.t.relay_splits.recv_total > 0:
                 rk.into(relayed, rk.sz.kv, False, "relay", m)
             else:
                 sends_only.append(relayed)
@@ -387,7 +388,7 @@ def _bwd_kernel(rk: _Rank, pending: dict, m: int) -> None:
             if relayed is not None:
                 rk.into(relayed, sz.kv, False, "relay_bwd", m)
     rk.placed(pending["do"], sz.q, "do", m)
-    rk.packed_kv(sum(t.k_lens), "kv", m)
+    rk.packed_kv(t.k_total, "kv", m)
     rk.kernel("bwd", t.q_lens, t.k_lens, "all", m)
 
 
@@ -404,7 +405,7 @@ def _widened(rk: _Rank, rows: int, gathered: bool, m: int) -> None:
 def _dkv_sums(rk: _Rank, m: int, fresh: bool) -> None:
     """``runtime.libra_attn._dkv_sums``; ``fresh``: the chunk starts its kv piece's sums."""
     t, sz = rk.t, rk.sz
-    nk = sum(t.k_lens)
+    nk = t.k_total
     if fresh and t.kv_rows_read:  # the piece's first chunk: every arranged row's first packed row, the others added
         _widened(rk, t.kv_target_len, True, m)
         if nk > t.kv_target_len:
@@ -450,7 +451,7 @@ def _backward(rk: _Rank, refetch: bool, local_rows: int) -> None:
         relayed = None
         if returns[m] and t.relay_back_splits is not None:  # ``runtime.relay.relay_back``, ahead of the returns
             sp = t.relay_back_splits
-            rk.copy("gather", sum(sp.send), sz.dkv_acc, "relay_back", m)
+            rk.copy("gather", sp.send_total, sz.dkv_acc, "relay_back", m)
             relayed = (rk.exchange(sp, sz.dkv_acc, rk.relay_comm, "relay_back", m), sp)
         if not dq_first:
             returning, deferred = dq_home(m), None
@@ -475,11 +476,12 @@ def check_modes(save_mode: str, relay_comm: str) -> None:
         raise ValueError(f"relay_comm must be {POOL!r} or {RELAY!r}, got {relay_comm!r}")
 
 
-def rank_phase_ops(inputs: tuple, phase: str, save_mode: str, relay_comm: str) -> tuple:
+def rank_phase_ops(inputs: tuple, phase: str, save_mode: str, relay_comm: str,
+                   byte_rows: Optional[dict] = None) -> tuple:
     """The ops of one rank in one phase ("forward" | "backward") from everything they read (``op_lists.rank_ops_key``:
-    sizes, heads, rank, pool size, local tokens, lead)."""
+    sizes, heads, rank, pool size, local tokens, lead); ``byte_rows``: ``_Rank.nbytes``' cache, shared by the caller."""
     sizes, heads, rank, num_workers, local_tokens, local_lead = inputs
-    rk = _Rank(sizes, heads, rank, num_workers, relay_comm)
+    rk = _Rank(sizes, heads, rank, num_workers, relay_comm, byte_rows)
     if phase == "forward":
         _forward(rk, local_lead)
     else:

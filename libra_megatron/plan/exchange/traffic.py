@@ -187,6 +187,7 @@ class LayerPricing:
     def __init__(self, plan, model, save_mode: str = "arranged", relay_comm: str = "relay", cache=None):
         self.plan, self.model, self.save_mode, self.relay_comm, self.cache = plan, model, save_mode, relay_comm, cache
         self._inputs = None
+        self._byte_rows = {}  # ``op_lists.phase_ops``' byte rows, shared by the plan's two phases
         self._phases = {}
 
     def phase(self, name: str) -> PhaseTiming:
@@ -195,7 +196,7 @@ class LayerPricing:
             with paused_gc():
                 if self._inputs is None:
                     self._inputs = rank_inputs(self.plan)
-                ops = phase_ops(self._inputs, name, self.save_mode, self.relay_comm, self.cache)
+                ops = phase_ops(self._inputs, name, self.save_mode, self.relay_comm, self.cache, self._byte_rows)
                 self._phases[name] = price_ops(ops, self.model, self.model.nodes(self.plan.num_workers))
         return self._phases[name]
 

@@ -14,10 +14,11 @@ Imports ``plan.model`` only.
 from .lanes import lane_loads, place_for_sync, priced_lanes_apply, sync_proxy_seconds
 from .placement import assign_to_ranks, place_sequences
 from .pool_proxy import PoolProxy, SequenceStats
-from .sync import (SIM_FLAGS, PipelineRun, PipelineSchedule, StepTiming, SyncLayout, lane_of_pool, pipeline_schedule,
-                   pool_step_timing, run_lane_pipelines, step_timing)
+from .sync import (SIM_FLAGS, PipelineRun, PipelineSchedule, StepTiming, SyncLayout, critical_path_seconds,
+                   lane_of_pool, pipeline_schedule, pool_step_timing, run_lane_pipelines, step_timing)
 from .vrsp import pool_loads
 
 __all__ = ["lane_loads", "place_for_sync", "priced_lanes_apply", "sync_proxy_seconds", "assign_to_ranks", "place_sequences", "SIM_FLAGS",
            "PipelineRun", "PipelineSchedule", "StepTiming", "SyncLayout", "lane_of_pool", "pipeline_schedule",
-           "pool_step_timing", "run_lane_pipelines", "step_timing", "pool_loads", "PoolProxy", "SequenceStats"]
+           "pool_step_timing", "run_lane_pipelines", "step_timing", "pool_loads", "PoolProxy", "SequenceStats",
+           "critical_path_seconds"]

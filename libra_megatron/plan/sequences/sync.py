@@ -43,7 +43,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 __all__ = ["SyncLayout", "PipelineSchedule", "PipelineRun", "StepTiming", "pipeline_schedule", "step_timing", "pool_step_timing", "run_lane_pipelines",
-           "lane_of_pool", "SIM_FLAGS"]
+           "lane_of_pool", "SIM_FLAGS", "critical_path_seconds"]
 
 SIM_FLAGS: Dict[str, str] = {  # SyncLayout field -> the simulator flag that sets it (error messages)
     "data_parallel_size": "--dp", "pool_size": "--pool-size", "num_microbatches": "--gbs / --dp",
@@ -377,3 +377,18 @@ def run_lane_pipelines(microbatch_seconds: np.ndarray, layout: SyncLayout, backw
     fwd = np.broadcast_to(fwd_stage[:, None], shape)
     bwd = np.broadcast_to(bwd_stage[:, None], shape)
     return pipeline_schedule(pp, vpp, layout.num_microbatches).run(fwd, bwd)
+
+
+def critical_path_seconds(forward_seconds: float, backward_seconds: float, layout: SyncLayout) -> float:
+    """Seconds no lane can beat once one of its microbatches takes ``forward_seconds`` / ``backward_seconds`` per
+    attention layer: that microbatch crosses the PP*VPP virtual stages forward, then all of them backward, one
+    after another (``run_lane_pipelines``' stage times: (forward + other) / VPP, (backward + ratio x other) / VPP),
+    whatever the lane's other microbatches and their order. (The balanced bound the simulator divides by is the
+    schedule of equal microbatches; unequal ones, light at the ends, can beat it, so a window's heaviest pool is
+    only binding where this path is longer.)"""
+    if not (math.isfinite(forward_seconds) and math.isfinite(backward_seconds)) or min(forward_seconds,
+                                                                                        backward_seconds) < 0:
+        raise ValueError(f"critical_path_seconds needs finite seconds >= 0, got {forward_seconds!r}, "
+                         f"{backward_seconds!r}")
+    other = layout.other_seconds * (1.0 + layout.backward_ratio)
+    return float(layout.pipeline_parallel_size * (forward_seconds + backward_seconds + other))
