@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from libra_megatron.config import LibraConfig, TilePlacement
 from libra_megatron.plan.exchange import build_exchange_plan, plan_layer_timing, validate_plan
 from libra_megatron.plan.layout import HeadLayout, TokenLayout
-from libra_megatron.plan.tiles.node_export import export_dense_first, tile_density
+from libra_megatron.plan.tiles.node_export import even_heaviest, export_dense_first, tile_density
 from libra_megatron.plan.packing import pack_documents
 from libra_megatron.plan.tiles import build_tiles, place_tiles, placement
 from libra_megatron.plan.pool import plan_pool
@@ -59,9 +59,9 @@ def test_export_nets_the_flow_between_nodes_and_keeps_balance_within_one_tile(po
 
 @given(pools())
 @settings(**SETTINGS)
-def test_dense_placement_keeps_the_fastest_whole_layer_of_its_three_candidates(pool):
-    """DENSE is, of Algorithm 2, its node export and the time-aware moves from the export, the one whose whole
-    layer (forward + backward, every rank's op list priced with peers coupled) is fastest, with its plan; so never
+def test_dense_placement_keeps_the_fastest_whole_layer_of_its_four_candidates(pool):
+    """DENSE is, of Algorithm 2, its node export, the time-aware moves from the export and the export evened
+    (``even_heaviest``), the one whose whole layer (forward + backward, every rank's op list priced with peers coupled) is fastest, with its plan; so never
     slower than Algorithm 2 under the model."""
     _, _, heads, tiles, _, _ = pool
     model = StepTimeModel(heads.head_dim, **SLOW)
@@ -118,13 +118,16 @@ def _whole_layer(tiles, assignment, model):
 
 
 def _candidates(tiles, tau, model):
-    """Algorithm 2, its node export, the time-aware moves from the export -- rebuilt here from the parts."""
+    """Algorithm 2, its node export, the time-aware moves from the export and the export with its busiest worker
+    evened -- rebuilt here from the parts."""
     from libra_megatron.plan.tiles.alg2 import place_alg2
     from libra_megatron.plan.tiles.timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, time_moves
 
-    alg2 = place_alg2(tiles, tau)[0]
-    exported = export_dense_first(tiles, alg2, tiles.tile_flops().astype(np.float64), model.nodes(tiles.num_workers))
-    return alg2, exported, time_moves(tiles, exported, model, DENSE_TIME_ROUNDS, DENSE_WIDTH)
+    alg2, cap = place_alg2(tiles, tau)[:2]
+    f, nodes = tiles.tile_flops().astype(np.float64), model.nodes(tiles.num_workers)
+    exported = export_dense_first(tiles, alg2, f, nodes)
+    return (alg2, exported, time_moves(tiles, exported, model, DENSE_TIME_ROUNDS, DENSE_WIDTH),
+            even_heaviest(tiles, exported, f, nodes, cap))
 
 
 def _forward_gated(tiles, candidates, model):
@@ -148,7 +151,7 @@ def _pools_1m_linux():
 @pytest.fixture(scope="module")
 def real_pools():
     """Real pools at the shipped knobs (256K: the linux and wikipedia pools of ``test_timeaware._shipped_pools``;
-    1M: two linux pools of 4 x 1M x CP16, tau 0.01), each with its three DENSE candidates, their plans and their
+    1M: two linux pools of 4 x 1M x CP16, tau 0.01), each with its four DENSE candidates, their plans and their
     whole layers, every phase priced: [(tiles, tau, candidates, plans, layer timings)]."""
     model = StepTimeModel(128, kv_relay=True)
     out = []
@@ -165,7 +168,7 @@ def _layer_seconds(layer):
 
 def test_dense_placement_over_the_whole_layer_beats_the_forward_gated_choice_on_real_pools(real_pools):
     """Issue 24, on real pools at the shipped knobs (``real_pools``): no one candidate wins everywhere, DENSE keeps
-    the fastest whole layer of the three, and that is faster in total than what the forward-only timeline kept on
+    the fastest whole layer of the four, and that is faster in total than what the forward-only timeline kept on
     every pool, and faster on the mean."""
     model, pools = real_pools
     ratios, wins = [], set()
@@ -260,3 +263,69 @@ def test_the_relay_is_kept_only_where_the_whole_layer_prices_it_faster(real_pool
         layouts.add({relay.fingerprint: "single", striped.fingerprint: "striped"}.get(expected.fingerprint, "direct"))
     assert any(kept) and not all(kept), kept
     assert layouts == {"single", "striped", "direct"}, layouts
+
+
+def test_even_heaviest_by_hand():
+    """Hand-drawn: 4 workers on nodes {0, 1}, {2, 3}; tile loads 6, 3, 1 on worker 0, 4 on worker 1, 5 on 2 and 3
+    (hosted 10, 4, 5, 5; cap 6.06). Worker 0 gives its node's lightest worker 1 the tile nearest half their gap of 6
+    (the 3: 7, 7, 5, 5); then worker 0 (first of the two busiest) cannot give worker 1 anything (gap 0), so the
+    pool's lightest, worker 2, takes the 1 (6, 7, 6, 5); worker 1 has nothing below its gaps (1 to its node, 2 to
+    the pool): it stops at 7, not 10."""
+    import types
+
+    tiles = types.SimpleNamespace(num_workers=4)
+    f = np.array([6.0, 3.0, 1.0, 4.0, 5.0, 5.0])
+    out = even_heaviest(tiles, np.array([0, 0, 0, 1, 2, 3]), f, np.array([0, 0, 1, 1]), 6.06)
+    assert out.tolist() == [0, 1, 2, 1, 2, 3]
+    assert np.bincount(out, weights=f, minlength=4).tolist() == [6.0, 7.0, 6.0, 5.0]
+    assert even_heaviest(tiles, out, f, np.array([0, 0, 1, 1]), 7.0).tolist() == out.tolist()  # at the cap: stays
+
+
+def test_even_heaviest_never_raises_the_busiest_and_stops_only_when_stuck():
+    """Random coarse loads (1-6 tiles a worker, heavy-tailed): the busiest worker never gets heavier, at most W
+    tiles move, and, run until it stops by itself, where it ends above the cap no tile of the busiest worker is
+    lighter than its gap to the least-loaded worker of its node or of the pool."""
+    import types
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        W = int(rng.integers(2, 17))
+        n = int(rng.integers(W, 6 * W))
+        f = np.round(rng.pareto(1.5, n) * 10, 1)
+        start = rng.integers(0, W, n)
+        node = np.arange(W) // int(rng.choice([1, 2, 4]))
+        cap = 1.01 * f.sum() / W
+        tiles = types.SimpleNamespace(num_workers=W)
+        out = even_heaviest(tiles, start, f, node, cap)
+        before, after = (np.bincount(a, weights=f, minlength=W) for a in (start, out))
+        assert after.max() <= before.max() + 1e-9 and (out != start).sum() <= W
+        out = even_heaviest(tiles, start, f, node, cap, max_moves=100 * W)  # run until it stops by itself
+        after = np.bincount(out, weights=f, minlength=W)
+        if after.max() > cap * (1 + 1e-9):  # one of the busiest (ties: within rounding) is stuck
+
+            def stuck(h):
+                mine = f[out == h]
+                groups = (np.flatnonzero((node == node[h]) & (np.arange(W) != h)), np.flatnonzero(np.arange(W) != h))
+                return not any(((mine > 0) & (mine < after[h] - after[g].min() - 1e-9)).any() for g in groups if g.size)
+
+            assert any(stuck(h) for h in np.flatnonzero(after >= after.max() * (1 - 1e-12)))
+
+
+def test_the_evened_export_is_kept_where_it_prices_fastest():
+    """A coarse pool (4 linux-trace sequences x 64K, CP 4 on 4-GPU nodes, B 8192: ~5 tiles a worker, seed 4): the
+    export leaves its busiest worker above the cap, one move evens it, and that candidate's whole layer is the
+    fastest of the four, so DENSE keeps it."""
+    from libra_megatron.config import KvFetch, TilingPolicy, TokenLayoutKind
+    from libra_megatron.testing.traces import packed_trace_segments
+
+    heads = HeadLayout(16, 2, 64, head_split=2, num_chunks=2, elem_bytes=2)
+    model = StepTimeModel(64, gpus_per_node=4, kv_relay=True)
+    segs = packed_trace_segments(np.random.default_rng(4), 4, 65536, name="linux-6.12-files.qwen.txt")
+    tiles = build_tiles(segs, TokenLayout(TokenLayoutKind.ZIGZAG, 65536, 4), heads, 8192,
+                        tiling=TilingPolicy.ADAPTIVE, tau=0.01, kv_fetch=KvFetch.PREFIX)
+    candidates = _candidates(tiles, 0.01, model)
+    seconds = [_whole_layer(tiles, a, model) for a in candidates]
+    assert not np.array_equal(candidates[3], candidates[1]) and int(np.argmin(seconds)) == 3
+    assert seconds[3] < 0.98 * seconds[1]
+    dense = place_tiles(tiles, 0.01, TilePlacement.DENSE, timing=model)
+    assert np.array_equal(dense.assignment, candidates[3])

@@ -27,7 +27,7 @@ from ..gc_pause import paused_gc
 from .alg2 import capacity, place_alg2, tile_loads
 from ..exchange import RELAY_STRIPE_UNITS, LayerPricing, build_exchange_plan, fetched_groups, plan_worker_seconds
 from ..model import StepTimeModel, kernel_floor_per_pair
-from .node_export import export_dense_first
+from .node_export import even_heaviest, export_dense_first
 from .tiles import TileSet
 from .timeaware import DENSE_TIME_ROUNDS, DENSE_WIDTH, refine_for_time, time_moves
 
@@ -162,10 +162,11 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 
 
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
-    """ALG2, its ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, and ``DENSE_TIME_ROUNDS``
-    rounds of time-aware moves from the export (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``): of the
-    three, the one whose whole layer is fastest (``fastest_layer``), ties keeping the earlier. Returns the placer
-    tuple plus the winner's plan.
+    """ALG2, its ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, ``DENSE_TIME_ROUNDS``
+    rounds of time-aware moves from the export (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``) and the export
+    with its busiest worker evened down to Algorithm 2's cap (``node_export.even_heaviest``: coarse 1M tiles leave
+    it up to 10% above): of the four, the one whose whole layer is fastest (``fastest_layer``), ties keeping the
+    earlier. Returns the placer tuple plus the winner's plan.
 
     Issue 24: the candidates were kept by the forward-only timeline (``plan_worker_seconds``), which underprices
     the coupled forward (1M pools: it kept Algorithm 2 where the runtime's forward is 30% slower than the
@@ -176,9 +177,11 @@ def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 
 def _dense_candidates(tiles: TileSet, tau: float, tile_cost, timing: StepTimeModel):
     start, cap, fallbacks, comm = place_alg2(tiles, tau, tile_cost)
-    exported = export_dense_first(tiles, start, tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers))
+    loads, nodes = tile_loads(tiles, tile_cost), timing.nodes(tiles.num_workers)
+    exported = export_dense_first(tiles, start, loads, nodes)
     moved = time_moves(tiles, exported, timing, DENSE_TIME_ROUNDS, DENSE_WIDTH)
-    assignment, plan = fastest_layer(tiles, (start, exported, moved), timing)
+    evened = even_heaviest(tiles, exported, loads, nodes, cap)  # the export itself where nothing moves (deduplicated)
+    assignment, plan = fastest_layer(tiles, (start, exported, moved, evened), timing)
     if assignment is not start:
         comm = assignment_comm_bytes(tiles, assignment)
     return assignment, cap, fallbacks, comm, plan
@@ -276,9 +279,10 @@ def place_tiles(tiles: TileSet, tau: float = 0.03, method=TilePlacement.ALG2, *,
     order and Eq. 8 ties are unchanged. None (default) gives exactly the Eq. 6 placement.
     TIME: ALG2, then ``plan.tiles.timeaware.refine_for_time`` under ``timing`` (default ``StepTimeModel`` rates,
     the pool's worker 0 on a node boundary); never slower than ALG2 under that model.
-    DENSE: ALG2, its dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes, and
-    ``DENSE_TIME_ROUNDS`` rounds of TIME's moves from the export: the one whose whole layer (forward + backward,
-    peers coupled: ``fastest_layer``) is fastest under ``timing``; never slower than ALG2 under that model.
+    DENSE: ALG2, its dense-first node export (``plan.tiles.node_export``) over ``timing``'s nodes,
+    ``DENSE_TIME_ROUNDS`` rounds of TIME's moves from the export, and the export evened (``even_heaviest``): the one
+    whose whole layer (forward + backward, peers coupled: ``fastest_layer``) is fastest under ``timing``; never
+    slower than ALG2 under that model.
     """
     method = TilePlacement(method)
     if timing is not None and method not in _TIMED:
