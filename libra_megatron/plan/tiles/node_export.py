@@ -138,11 +138,13 @@ def _most_room(room, need: float, allowed) -> int:
 
 def even_heaviest(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, node_of_worker, cap: float,
                   max_moves: int = 0) -> np.ndarray:
-    """``assignment`` with its busiest worker evened tile by tile (module docstring): while the busiest worker is
-    above ``cap``, it hands the tile whose load ``f_t`` is nearest half the gap to the least-loaded worker of its
-    node (first index on ties), or, when none of its tiles is lighter than that gap, to the least-loaded worker of
-    the pool; a move only where 0 < f_t < gap, so the pair's maximum and the busiest load fall. Stops when no single
-    tile can move or after ``max_moves`` moves (0: one per worker). int64 [num_tiles], a new array."""
+    """``assignment`` with its busiest worker evened tile by tile (module docstring): while the busiest worker h is
+    above ``cap``, it exchanges with the least-loaded worker d of its node (of the pool when nothing of h fits that
+    gap) the pair whose moved load f_a - f_b (a tile a of h; b a tile of d, or none) is nearest half their gap, among
+    those with 0 < f_a - f_b < gap (by more than 1e-9 of h's load: no exchange of equal tiles through the sums'
+    rounding), so the pair's maximum and the busiest load fall (ties: a move before a swap, then
+    the earlier b, then the earlier a). Stops when nothing fits or after ``max_moves`` exchanges (0: one per worker). int64
+    [num_tiles], a new array."""
     out = np.array(assignment, dtype=np.int64, copy=True)
     node = np.asarray(node_of_worker, dtype=np.int64)
     f = np.asarray(loads, dtype=np.float64)
@@ -152,21 +154,32 @@ def even_heaviest(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, nod
         h = int(np.argmax(hosted))
         if hosted[h] <= cap:
             break
-        mine = np.flatnonzero(out == h)
-        move = None
-        for workers in (np.flatnonzero((node == node[h]) & (np.arange(W) != h)), np.flatnonzero(np.arange(W) != h)):
-            if workers.size == 0:
-                continue
-            d = int(workers[np.argmin(hosted[workers])])
-            gap = hosted[h] - hosted[d]
-            score = np.where((f[mine] > 0) & (f[mine] < gap), np.abs(f[mine] - gap / 2.0), np.inf)
-            if np.isfinite(score).any():
-                move = int(mine[np.argmin(score)]), d
-                break
-        if move is None:
+        exchange = _nearest_half_gap(out, f, hosted, h, node)
+        if exchange is None:
             break
-        t, d = move
-        out[t] = d
-        hosted[h] -= f[t]
-        hosted[d] += f[t]
+        a, d, b, moved = exchange
+        out[a] = d
+        if b >= 0:
+            out[b] = h
+        hosted[h] -= moved
+        hosted[d] += moved
     return out
+
+
+def _nearest_half_gap(out, f, hosted, h: int, node):
+    """(tile a of h, worker d, tile b of d or -1, moved load) of ``even_heaviest``'s next exchange, or None."""
+    W = hosted.size
+    mine = np.flatnonzero(out == h)
+    for workers in (np.flatnonzero((node == node[h]) & (np.arange(W) != h)), np.flatnonzero(np.arange(W) != h)):
+        if workers.size == 0:
+            continue
+        d = int(workers[np.argmin(hosted[workers])])
+        gap = hosted[h] - hosted[d]
+        theirs = np.flatnonzero(out == d)
+        moved = np.concatenate([[0.0], f[theirs]])[:, None] * -1.0 + f[mine][None, :]  # [none + b, a]
+        slack = 1e-9 * hosted[h]  # a move inside the rounding of the loads' sums would only swap equal tiles
+        score = np.where((moved > slack) & (moved < gap - slack), np.abs(moved - gap / 2.0), np.inf)
+        if np.isfinite(score).any():  # ties: a move before any swap, then the earlier b, then the earlier a
+            j, i = np.unravel_index(int(np.argmin(score)), score.shape)
+            return int(mine[i]), d, (int(theirs[j - 1]) if j else -1), float(moved[j, i])
+    return None
