@@ -25,11 +25,12 @@ fragmented room, 10-30% imbalance on wikipedia pools). ``place_tiles`` keeps the
 only when the step-time model prices its slowest worker below Algorithm 2's (``plan.tiles.placement``): never
 slower under the model. Cost: O(tiles log tiles) numpy plus a Python loop over tiles.
 
-Where tiles are coarse (1M: ~4 per worker), a node cannot export a fraction of a tile and the export ends up to 10%
-above the cap C its busiest worker should keep; ``even_heaviest`` then hands the busiest worker's tiles, one at a
-time, to the least-loaded worker of its node (of the pool when none of its node can take one). The dense placement
-prices the result as one more candidate: on linux 1M pools it is kept on a third of those it changes (1-7 moves,
-the layer 1-5% shorter there); elsewhere the exchange it adds costs more than the balance saves.
+A node cannot export a fraction of a tile (one carries up to a quarter of a worker's load), and on 1M pools the
+export ends up to 10% above the cap C its busiest worker should keep; ``even_heaviest`` then exchanges the busiest
+worker's tiles, one at a time (or one for a lighter one), with the least-loaded worker of its node (of the pool when
+nothing fits there). The dense placement prices the result as one more candidate: on linux 1M pools it is kept on
+about a third of those it changes (the layer 0.1-5.5% shorter there); elsewhere the exchange it adds costs more than
+it saves.
 """
 from __future__ import annotations
 
@@ -142,9 +143,9 @@ def even_heaviest(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, nod
     above ``cap``, it exchanges with the least-loaded worker d of its node (of the pool when nothing of h fits that
     gap) the pair whose moved load f_a - f_b (a tile a of h; b a tile of d, or none) is nearest half their gap, among
     those with 0 < f_a - f_b < gap (by more than 1e-9 of h's load: no exchange of equal tiles through the sums'
-    rounding), so the pair's maximum and the busiest load fall (ties: a move before a swap, then
-    the earlier b, then the earlier a). Stops when nothing fits or after ``max_moves`` exchanges (0: one per worker). int64
-    [num_tiles], a new array."""
+    rounding), so the pair's maximum and the busiest load fall (ties: a move before a swap, then the earlier b, then
+    the earlier a). Stops when nothing fits or after ``max_moves`` exchanges (0: one per worker). int64 [num_tiles],
+    a new array."""
     out = np.array(assignment, dtype=np.int64, copy=True)
     node = np.asarray(node_of_worker, dtype=np.int64)
     f = np.asarray(loads, dtype=np.float64)

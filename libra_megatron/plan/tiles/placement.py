@@ -164,7 +164,7 @@ def _run_time(tiles: TileSet, tau: float, tile_cost=None, timing=None):
 def _run_dense(tiles: TileSet, tau: float, tile_cost=None, timing=None):
     """ALG2, its ``plan.tiles.node_export.export_dense_first`` over the nodes of ``timing``, ``DENSE_TIME_ROUNDS``
     rounds of time-aware moves from the export (``plan.tiles.timeaware.time_moves``, ``DENSE_WIDTH``) and the export
-    with its busiest worker evened down to Algorithm 2's cap (``node_export.even_heaviest``: coarse 1M tiles leave
+    with its busiest worker evened down to Algorithm 2's cap (``node_export.even_heaviest``: 1M exports leave
     it up to 10% above): of the four, the one whose whole layer is fastest (``fastest_layer``), ties keeping the
     earlier. Returns the placer tuple plus the winner's plan.
 
