@@ -155,7 +155,7 @@ def even_heaviest(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, nod
         h = int(np.argmax(hosted))
         if hosted[h] <= cap:
             break
-        exchange = _nearest_half_gap(out, f, hosted, h, node)
+        exchange = _next_exchange(out, f, hosted, h, node)
         if exchange is None:
             break
         a, d, b, moved = exchange
@@ -167,7 +167,7 @@ def even_heaviest(tiles: TileSet, assignment: np.ndarray, loads: np.ndarray, nod
     return out
 
 
-def _nearest_half_gap(out, f, hosted, h: int, node):
+def _next_exchange(out, f, hosted, h: int, node):
     """(tile a of h, worker d, tile b of d or -1, moved load) of ``even_heaviest``'s next exchange, or None."""
     W = hosted.size
     mine = np.flatnonzero(out == h)
@@ -177,7 +177,7 @@ def _nearest_half_gap(out, f, hosted, h: int, node):
         d = int(workers[np.argmin(hosted[workers])])
         gap = hosted[h] - hosted[d]
         theirs = np.flatnonzero(out == d)
-        moved = np.concatenate([[0.0], f[theirs]])[:, None] * -1.0 + f[mine][None, :]  # [none + b, a]
+        moved = f[mine][None, :] - np.concatenate([[0.0], f[theirs]])[:, None]  # [none + b, a]: f_a - f_b
         slack = 1e-9 * hosted[h]  # a move inside the rounding of the loads' sums would only swap equal tiles
         score = np.where((moved > slack) & (moved < gap - slack), np.abs(moved - gap / 2.0), np.inf)
         if np.isfinite(score).any():  # ties: a move before any swap, then the earlier b, then the earlier a
